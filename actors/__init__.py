@@ -1,0 +1,1 @@
+"""Ray actors: thin wrappers that join the model's engines to the store."""

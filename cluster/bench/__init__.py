@@ -1,0 +1,28 @@
+"""`v41 bench NAME`: side-by-side measurements printed as a table.
+
+Each benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and
+prints a table; with ``--json`` it prints one JSON object on its last line. Speed is
+only ever reported as ratios measured in one run, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help)
+BENCHES: dict[str, tuple[str, str]] = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, (module_name, help_text) in BENCHES.items():
+        bench = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(bench)
+        bench.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+        bench.set_defaults(_bench=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    return args._bench.run(args)

@@ -1,0 +1,50 @@
+"""The `v41` command line: one entry point, one module per command.
+
+Each command lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; this file only wires them up, importing a command's module
+when that command runs so that `v41 --help` stays fast. A user mistake raises
+``UserError``: it prints as one line and exits 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "params": ("cluster.commands.params", "count the model built on the meta device"),
+    "forward": ("cluster.commands.forward", "reference full-sequence logits for token-id lists"),
+    "bench": ("cluster.bench", "side-by-side measurements, printed as a table"),
+}
+
+
+class UserError(Exception):
+    """A mistake in how the command was called or in its inputs (not a bug)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="v41", description="DeepSeek V4.1-Flash on Ray")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(command)
+        command.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._module.run(args) or 0)
+    except UserError as error:
+        print(f"v41 {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""CSA2: compressed sparse attention over a window and shared long-range memory.
+
+Every layer attends to its own sliding window (the last ``sliding_window`` tokens,
+FP8 in the cache). Layers with a compressed branch also attend to the long-range
+entries that the indexer picked (FP4 in the cache):
+
+- a **Full** layer pools its own hidden states into long-range entries (``ratio``
+  tokens per entry with a learned softmax gate in the encoder, one per token in the
+  decoder), derives the indexer keys from the same pooled latents, and runs its
+  indexer;
+- a **Reindex** layer reads the Full layer's entries and keys but scores them with
+  its own indexer query, inside the candidate pool of the candidate-source layer
+  (the hierarchical sparse indexer);
+- a **Reuse** layer reads the entries and the picks of the last indexer.
+
+Keys and values are one shared vector per place (MQA with K = V); the values carry
+the query's RoPE, which the output takes back off before the grouped low-rank
+output projection. Each head has a learned sink logit that only grows the softmax
+denominator.
+
+This module holds the math of one layer as small methods. The orchestration over a
+whole sequence lives in :mod:`model.transformer` (the reference forward); the
+engine calls the same methods over its caches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import AttentionMode, LayerPlan, TextConfig
+from .formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
+from .norm import RMSNorm
+from .rope import apply_rotary
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: ``groups`` independent ``in -> out`` maps.
+
+    ``weight`` is ``[groups * out, in]`` (the checkpoint's ``wo_a``); input
+    ``[..., groups, in]``, output ``[..., groups, out]``.
+    """
+
+    def __init__(self, in_per_group: int, out_per_group: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [G, out, in]
+        return torch.einsum("...gi,goi->...go", x, w)
+
+
+class Compressor(nn.Module):
+    """Pools ``ratio`` consecutive hidden states into one long-range latent.
+
+    At ratio 1 (the CED decoder's source) a latent is a plain per-token projection.
+    Pooling runs in fp32: per channel, a softmax over the group's gate logits
+    weights the group's projected values.
+    """
+
+    def __init__(self, config: TextConfig, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.wgate = nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, G * ratio, D] (whole groups) -> pre-RoPE latents [B, G, head_dim]."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x))
+        kv = F.linear(x.float(), self.wkv.weight.float())
+        gate = F.linear(x.float(), self.wgate.weight.float())
+        kv = kv.unflatten(1, (-1, self.ratio))
+        gate = gate.unflatten(1, (-1, self.ratio))
+        latent = (kv * gate.softmax(dim=2)).sum(dim=2)
+        return self.norm(latent.to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """The cheap attention that picks which long-range entries a query reads.
+
+    Keys (one per entry, FP4) exist only on a Full layer: ``k_norm(wk(latent))``
+    rotated at the entry's position. Query heads come from the attention's low-rank
+    query residual; per-head weights from the hidden state. The score of an entry
+    is ``sum_h w_h * relu(q_h . k) / sqrt(head_dim)``.
+    """
+
+    def __init__(self, config: TextConfig, owns_keys: bool):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        if owns_keys:
+            self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE latents [B, G, head_dim] -> indexer keys [B, G, index_head_dim] (FP4 values)."""
+        k = apply_rotary(self.k_norm(self.wk(latent)), cos, sin)
+        return INDEXER_KEY.fake_quant(k)
+
+    def scores(
+        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor
+    ) -> torch.Tensor:
+        """Scores [B, S, T] of queries (hidden ``x`` [B, S, D]) against ``keys`` [B, T, d]."""
+        q = self.wq_b(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
+        q = INDEXER_KEY.fake_quant(apply_rotary(q, cos, sin))
+        per_head = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu_() * self.head_dim**-0.5
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return torch.einsum("bsht,bsh->bst", per_head, weights)
+
+
+class CSA2Attention(nn.Module):
+    """One layer's attention. Parameter names follow the released checkpoint."""
+
+    def __init__(self, config: TextConfig, plan: LayerPlan):
+        super().__init__()
+        self.plan = plan
+        self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.o_groups = config.o_groups
+        self.scaling = self.head_dim**-0.5
+        self.wq_a = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.wo_a = GroupedLinear(self.n_heads * self.head_dim // config.o_groups, config.o_lora_rank, config.o_groups)
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads))
+        full = plan.mode is AttentionMode.FULL
+        self.compressor = Compressor(config, plan.compress_ratio) if full else None
+        self.indexer = Indexer(config, owns_keys=full) if plan.runs_indexer else None
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` [B, S, D] -> (rotated queries [B, S, H, hd], low-rank residual [B, S, q_lora])."""
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
+        return apply_rotary(q, cos, sin), q_residual
+
+    def window_entries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, S, D] -> the window cache's entries [B, S, hd] (FP8 values, RoPE included)."""
+        return WINDOW_KV.fake_quant(apply_rotary(self.kv_norm(self.wkv(x)), cos, sin))
+
+    @staticmethod
+    def compressed_entries(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE latents [B, G, hd] -> long-range cache entries [B, G, hd] (FP4 values)."""
+        return COMPRESSED_KV.fake_quant(apply_rotary(latent, cos, sin))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Shared-KV attention with per-head sinks.
+
+        ``q`` [B, S, H, hd], ``keys`` [B, T, hd] (keys and values), ``mask`` [B, S, T]
+        bool (True = may attend). Returns [B, S, H, hd]. A row with nothing to attend
+        gives zeros (the sink takes all the weight).
+        """
+        logits = torch.einsum("bshd,btd->bhst", q.float(), keys.float()) * self.scaling
+        logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        combined = torch.cat((logits, sink), dim=-1)
+        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        return torch.einsum("bhst,btd->bshd", probs, keys.float()).to(q.dtype)
+
+    def output(self, attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[B, S, H, hd] -> [B, S, D]: undo the query rotation, grouped low-rank projection."""
+        attended = apply_rotary(attended, cos, sin, inverse=True)
+        grouped = attended.flatten(-2).unflatten(-1, (self.o_groups, -1))
+        return self.wo_b(self.wo_a(grouped).flatten(-2))
+
+
+# ---------------------------------------------------------------------- selection
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., S] query and [..., T] key positions -> bool [..., S, T]: causal, last ``window`` tokens."""
+    delta = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
+    return (delta >= 0) & (delta < window)
+
+
+def visible_entries(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
+    """bool [..., S, T]: entry ``e`` is visible once the query passed its last token."""
+    entries = torch.arange(n_entries, device=q_pos.device)
+    return entries < ((q_pos.long() + 1) // ratio).unsqueeze(-1)
+
+
+def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """The hierarchical sparse indexer's first level.
+
+    ``scores`` [..., T] with invisible entries at -inf; ``n_visible`` [...] entries
+    visible to each query. Entries group into blocks of ``block``; a block scores its
+    best entry; the block holding the newest visible entry is always kept; the top
+    ``topk_blocks`` reachable blocks form the pool. Returns bool [..., T].
+    """
+    width = scores.shape[-1]
+    padded = F.pad(scores, (0, -width % block), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    n_blocks = block_scores.shape[-1]
+    newest = ((n_visible - 1) // block).unsqueeze(-1)
+    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
+    top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :width]
+
+
+def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """bool [..., T]: the ``k`` best entries among those scoring above -inf."""
+    width = scores.shape[-1]
+    top = scores.topk(min(k, width), dim=-1)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))

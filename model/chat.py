@@ -1,0 +1,440 @@
+"""Tokenizer and chat format of DeepSeek V4.1.
+
+Two objects live here:
+
+* ``Tokenizer`` wraps a Hugging Face ``tokenizers`` byte-level BPE: plain-text
+  encode/decode, the special token ids by role, a fingerprint for cache keys, and
+  ``IncrementalDetokenizer`` for streaming.
+* ``ChatTemplate`` turns a list of ``Message`` into prompt token ids.
+
+The released V4.1 format (DeepSeek's ``encoding/encoding.py`` shipped with the
+checkpoint; vLLM vendors it as ``vllm/tokenizers/deepseek_v41_encoding.py``) is::
+
+    <｜begin▁of▁sentence｜>[<｜System｜>][Reasoning Effort: N (...)\\n\\n][system]
+    <｜User｜>question<｜Assistant｜><think>reasoning</think>answer<｜end▁of▁sentence｜>
+    <｜User｜>question<｜Assistant｜><think>                 (thinking on)
+
+Tool results have no role of their own: they join the user turn as
+``<tool_result>...</tool_result>`` blocks, blocks separated by a blank line.
+The effort line exists only in thinking mode; effort is 1..100 or low/high/max
+(50/75/100), default high.
+
+Deliberate deviations, all so that a conversation's earlier rendering plus the
+tokens the model generated is an exact token prefix of the next turn's rendering
+(the KV store shares cache chunks only along exact prefixes):
+
+1. Earlier turns keep their reasoning. The released encoder drops the reasoning
+   of assistant turns before the last user message and renders them as
+   ``<｜Assistant｜></think>answer``, which rewrites tokens that are already in
+   the cache. Here every assistant turn is ``<｜Assistant｜><think>reasoning
+   </think>answer<｜end▁of▁sentence｜>`` (the released encoder's
+   ``drop_thinking=False`` layout).
+2. Thinking off ends the prompt with ``<｜Assistant｜><think></think>`` (the
+   released encoder writes ``<｜Assistant｜></think>``). With this choice an
+   assistant turn reads the same whether it was produced with thinking on and
+   empty reasoning or with thinking off, so a conversation may switch thinking
+   per turn without rewriting its history. The golden prompts in
+   ``tests/golden/A/inputs.json`` use this spelling.
+3. A turn may carry the exact ids the model generated (``Message.token_ids``);
+   they are rendered verbatim because the model's tokenization of its own answer
+   need not be the canonical BPE of the answer text.
+
+What still changes the whole prompt from its first tokens: a different system
+message, a different effort, or switching thinking on/off (the effort line is
+rendered only in thinking mode). That is a cache miss, never a wrong answer.
+
+Not implemented: tool schemas in the system prompt and DSML tool-call rendering,
+the internal task tokens, and image parts (``Tokenizer.special.image`` is exposed
+for the vision processor). ``<｜System｜>`` is used only when the tokenizer has it
+as one token; otherwise the system block follows the BOS unmarked (V3 layout)
+and mid-conversation system messages are rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import tokenizers
+
+
+class ChatFormatError(ValueError):
+    """A conversation or chat option that the V4.1 format cannot express."""
+
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+PAD_TOKEN = "<｜▁pad▁｜>"
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+SYSTEM_TOKEN = "<｜System｜>"
+THINK_START_TOKEN = "<think>"
+THINK_END_TOKEN = "</think>"
+IMAGE_TOKEN = "<｜deepseek_image｜>"
+
+# The API's named levels, as the seed and the released encoder define them.
+EFFORT_LEVELS = {"low": 50, "high": 75, "max": 100}
+DEFAULT_EFFORT = "high"
+# The line the model saw during RL; its wording is part of the prompt format.
+_EFFORT_LINE = "Reasoning Effort: {effort} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+_TOOL_RESULT = "<tool_result>{content}</tool_result>"
+_PART_SEPARATOR = "\n\n"
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Ids of the tokens the chat format and the engine refer to by role.
+
+    ``system`` is None when the vocabulary has no ``<｜System｜>`` token;
+    ``noise`` (the DSpark drafter's filler token) is None unless the checkpoint
+    config names one.
+    """
+
+    bos: int
+    eos: int
+    pad: int
+    user: int
+    assistant: int
+    think_start: int
+    think_end: int
+    image: int
+    system: int | None = None
+    noise: int | None = None
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer with DeepSeek's special tokens.
+
+    ``encode`` treats its input as plain text: the spelling of a special token
+    inside user text is encoded as ordinary bytes, so a user cannot inject turn
+    markers. Special ids enter prompts only through ``ChatTemplate``.
+    """
+
+    def __init__(self, tokenizer_json: str, config: dict | None = None, noise_token_id: int | None = None):
+        """Build from the text of ``tokenizer.json`` and the parsed ``tokenizer_config.json``.
+
+        Raises ``ChatFormatError`` when a required special token is missing.
+        """
+        config = config or {}
+        self._plain = tokenizers.Tokenizer.from_str(tokenizer_json)
+        # A second instance for decoding keeps encode_special_tokens immutable per
+        # instance: flipping it on a shared object would race between threads.
+        self._plain.encode_special_tokens = True
+        self._decoder = tokenizers.Tokenizer.from_str(tokenizer_json)
+        self.fingerprint = hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()[:16]
+        self.vocab_size = self._decoder.get_vocab_size(with_added_tokens=True)
+
+        if noise_token_id is not None and not 0 <= noise_token_id < self.vocab_size:
+            raise ChatFormatError(f"noise token id {noise_token_id} is outside the vocabulary (size {self.vocab_size})")
+        self.special = SpecialTokens(
+            bos=self._require(_config_token(config, "bos_token", BOS_TOKEN)),
+            eos=self._require(_config_token(config, "eos_token", EOS_TOKEN)),
+            pad=self._require(_config_token(config, "pad_token", PAD_TOKEN)),
+            user=self._require(USER_TOKEN),
+            assistant=self._require(ASSISTANT_TOKEN),
+            think_start=self._require(THINK_START_TOKEN),
+            think_end=self._require(THINK_END_TOKEN),
+            image=self._require(IMAGE_TOKEN),
+            system=self.token_id(SYSTEM_TOKEN),
+            noise=noise_token_id,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path, noise_token_id: int | None = None) -> Tokenizer:
+        """Load ``tokenizer.json`` (and ``tokenizer_config.json`` if present) from a checkpoint dir."""
+        path = Path(path)
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else None
+        return cls((path / "tokenizer.json").read_text(encoding="utf-8"), config, noise_token_id)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` spelled exactly as in the vocabulary, or None."""
+        return self._decoder.token_to_id(token)
+
+    def _require(self, token: str) -> int:
+        token_id = self.token_id(token)
+        if token_id is None:
+            raise ChatFormatError(f"tokenizer has no token {token!r}")
+        return token_id
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` as plain text (no BOS, special-token spellings not recognised)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; byte sequences that are not valid UTF-8 become U+FFFD."""
+        return self._decoder.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh streaming detokenizer over this vocabulary."""
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def _config_token(config: dict, key: str, default: str) -> str:
+    # tokenizer_config.json spells a token either as a string or as an AddedToken dict.
+    value = config.get(key) or default
+    return value["content"] if isinstance(value, dict) else value
+
+
+class IncrementalDetokenizer:
+    """Turns ids arriving one by one into text pieces, never splitting a character.
+
+    Contract: the concatenation of every ``push`` result and the final ``flush``
+    equals ``tokenizer.decode(all_ids, skip_special_tokens)``.
+
+    A piece is released only when the decoded text of the pending ids does not end
+    in U+FFFD, i.e. its last UTF-8 sequence is complete; so every window start is
+    a character boundary and decoding windows separately gives the same text as
+    decoding the whole. Ids that really decode to U+FFFD at the end (invalid
+    bytes) wait for the next id or for ``flush``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        # _ids[_prefix:_read] was already released and is re-decoded as context;
+        # _ids[_read:] is pending.
+        self._prefix = 0
+        self._read = 0
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """Every id pushed so far."""
+        return tuple(self._ids)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text that became complete ("" if none)."""
+        self._ids.append(token_id)
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read], self._skip)
+        full_text = self._tokenizer.decode(self._ids[self._prefix :], self._skip)
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Release whatever is pending, incomplete characters as U+FFFD."""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read], self._skip)
+        full_text = self._tokenizer.decode(self._ids[self._prefix :], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return full_text[len(prefix_text) :]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One turn of a conversation.
+
+    role: "system", "user", "assistant" or "tool" (a tool result; it joins the
+        user turn it belongs to).
+    content: the text of the turn (for an assistant: the answer after ``</think>``).
+    reasoning: assistant only. A string (possibly empty) marks a turn produced with
+        thinking on; None a turn produced with thinking off.
+    token_ids: assistant only, optional. The ids the model generated after the
+        generation prompt, verbatim (with thinking on they include ``</think>``).
+        When given they are rendered instead of ``reasoning``/``content``, which
+        then serve display only. An end-of-sentence id is appended if missing.
+    """
+
+    role: str
+    content: str = ""
+    reasoning: str | None = None
+    token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ChatFormatError(f"unknown role {self.role!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(self.content, str):
+            raise ChatFormatError(f"{self.role} content must be a string, got {type(self.content).__name__}")
+        if self.role != "assistant" and (self.reasoning is not None or self.token_ids is not None):
+            raise ChatFormatError(f"only assistant turns carry reasoning or token_ids, not {self.role!r}")
+        if self.token_ids is not None:
+            object.__setattr__(self, "token_ids", tuple(int(i) for i in self.token_ids))
+
+
+def resolve_effort(effort: int | str | None) -> int:
+    """The numeric effort 1..100 for an int, a named level, or None (the default, high)."""
+    if effort is None:
+        effort = DEFAULT_EFFORT
+    if isinstance(effort, str):
+        if effort not in EFFORT_LEVELS:
+            raise ChatFormatError(f"unknown reasoning effort {effort!r}; use 1-100 or one of {', '.join(EFFORT_LEVELS)}")
+        return EFFORT_LEVELS[effort]
+    # bool is an int subclass; True as an effort is a caller bug, not effort 1.
+    if isinstance(effort, bool) or not isinstance(effort, int) or not 1 <= effort <= 100:
+        raise ChatFormatError(f"reasoning effort must be an integer in 1..100 or a named level, got {effort!r}")
+    return effort
+
+
+# A rendered prompt is a list of segments: a special-token id (int), plain text
+# (str) encoded on its own, or ids taken verbatim (tuple). Special tokens split
+# BPE, so encoding the text segments separately equals encoding the whole.
+Segment = int | str | tuple[int, ...]
+
+
+class ChatTemplate:
+    """Renders conversations into the (prefix-stable) V4.1 prompt format; see the module docstring."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        thinking: bool = False,
+        effort: int | str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Prompt ids for ``messages``.
+
+        thinking: whether the model should reason before answering; also decides
+            whether the ``Reasoning Effort`` line is rendered.
+        effort: 1..100 or "low"/"high"/"max"; validated always, used only with thinking.
+        add_generation_prompt: end with the assistant header (the conversation must
+            then end with a user, tool or mid-conversation system turn).
+
+        Prefix property: if ``ids = render(msgs)`` and the model generated ``out``,
+        then ``ids + out`` is a prefix of ``render(msgs + [assistant, user])`` when the
+        assistant message carries ``out`` as ``token_ids`` (or text that re-encodes to
+        ``out``) and thinking/effort/system are unchanged.
+        """
+        ids: list[int] = []
+        for segment in self._segments(messages, thinking, effort, add_generation_prompt):
+            if isinstance(segment, int):
+                ids.append(segment)
+            elif isinstance(segment, str):
+                ids.extend(self.tokenizer.encode(segment))
+            else:
+                ids.extend(segment)
+        return ids
+
+    def render_text(
+        self,
+        messages: Sequence[Message],
+        *,
+        thinking: bool = False,
+        effort: int | str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt as text (for logs and debugging); same arguments as ``render``."""
+        parts = []
+        for segment in self._segments(messages, thinking, effort, add_generation_prompt):
+            if isinstance(segment, int):
+                parts.append(self.tokenizer.decode([segment]))
+            elif isinstance(segment, str):
+                parts.append(segment)
+            else:
+                parts.append(self.tokenizer.decode(segment))
+        return "".join(parts)
+
+    def _segments(
+        self, messages: Sequence[Message], thinking: bool, effort: int | str | None, add_generation_prompt: bool
+    ) -> Iterable[Segment]:
+        sp = self.tokenizer.special
+        effort_value = resolve_effort(effort)
+        turns = _merge_user_turns(_check_messages(messages))
+        _check_turn_order(turns, add_generation_prompt, has_system_token=sp.system is not None)
+
+        yield sp.bos
+        leading_system = turns[0][0] == "system"
+        if leading_system or thinking:
+            if sp.system is not None:
+                yield sp.system
+            if thinking:
+                yield _EFFORT_LINE.format(effort=effort_value)
+            if leading_system:
+                yield turns[0][1].content
+                turns = turns[1:]
+
+        for index, (role, message) in enumerate(turns):
+            if role == "system":
+                # Mid-conversation system turn (only reachable with a <｜System｜> token).
+                yield sp.system
+                yield message.content
+            elif role == "user":
+                yield sp.user
+                yield message.content
+            else:
+                yield from self._assistant(message)
+            next_is_assistant = index + 1 < len(turns) and turns[index + 1][0] == "assistant"
+            is_last = index + 1 == len(turns)
+            if role != "assistant" and next_is_assistant:
+                yield sp.assistant
+            elif is_last and add_generation_prompt:
+                yield sp.assistant
+                yield sp.think_start
+                if not thinking:
+                    yield sp.think_end
+
+    def _assistant(self, message: Message) -> Iterable[Segment]:
+        sp = self.tokenizer.special
+        # The header <｜Assistant｜> was emitted after the preceding turn.
+        yield sp.think_start
+        if message.reasoning is None:
+            # Produced with thinking off: the prompt ended in <think></think>.
+            yield sp.think_end
+        if message.token_ids is not None:
+            yield message.token_ids
+            if not message.token_ids or message.token_ids[-1] != sp.eos:
+                yield sp.eos
+            return
+        if message.reasoning is not None:
+            yield message.reasoning
+            yield sp.think_end
+        yield message.content
+        yield sp.eos
+
+
+def _check_messages(messages: Sequence[Message]) -> Sequence[Message]:
+    if not messages:
+        raise ChatFormatError("a conversation needs at least one message")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Message):
+            raise ChatFormatError(f"message {index} is a {type(message).__name__}, not a Message")
+    return messages
+
+
+def _merge_user_turns(messages: Sequence[Message]) -> list[tuple[str, Message]]:
+    """Group messages into turns: consecutive user and tool messages become one user turn.
+
+    Parts of a merged turn are separated by a blank line, tool results wrapped in
+    ``<tool_result>`` (the released encoder's layout). A system message at index 0
+    stays the leading system block; later ones are mid-conversation system turns.
+    """
+    turns: list[tuple[str, Message]] = []
+    for message in messages:
+        if message.role in ("user", "tool"):
+            text = _TOOL_RESULT.format(content=message.content) if message.role == "tool" else message.content
+            if turns and turns[-1][0] == "user":
+                text = turns[-1][1].content + _PART_SEPARATOR + text
+                turns[-1] = ("user", Message("user", text))
+            else:
+                turns.append(("user", Message("user", text)))
+        else:
+            turns.append((message.role, message))
+    return turns
+
+
+def _check_turn_order(turns: list[tuple[str, Message]], add_generation_prompt: bool, has_system_token: bool) -> None:
+    for index, (role, _) in enumerate(turns):
+        if role == "system" and index > 0 and not has_system_token:
+            raise ChatFormatError(
+                f"system message at position {index}: this tokenizer has no {SYSTEM_TOKEN} token, "
+                "so only a leading system message is supported"
+            )
+        if role == "assistant" and (index == 0 or turns[index - 1][0] not in ("user", "system")):
+            raise ChatFormatError(f"assistant turn {index} must follow a user, tool or system turn")
+        if role == "assistant" and index == 1 and turns[0][0] == "system":
+            raise ChatFormatError("the first assistant turn must follow a user turn, not the leading system message")
+    last_role = turns[-1][0]
+    if add_generation_prompt and (last_role == "assistant" or len(turns) == 1 and last_role == "system"):
+        raise ChatFormatError(
+            "a generation prompt needs the conversation to end with a user or tool message "
+            f"(it ends with {'an assistant turn' if last_role == 'assistant' else 'only a system message'})"
+        )

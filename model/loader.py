@@ -1,0 +1,224 @@
+"""Checkpoint I/O in the released Hugging Face layout.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or
+``model.safetensors.index.json`` plus shards. Tensor names are the released ones
+(``model.layers.N.attn.wq_a.weight``, ``lm_head.weight``, ...). Quantised tensors
+are dequantised on load:
+
+- dense FP8 matrices: ``X.weight`` (F8_E4M3) with ``X.scale`` (UE8M0 per 32x32 tile);
+- routed experts: ``X.weight`` (two FP4 codes per byte) with ``X.scale`` (UE8M0 per 32);
+- Engram rows: ``embed.weight`` (F8_E4M3) with ``embed.scale`` (UE8M0 per 32 values).
+
+This is the only file of :mod:`model` that touches the disk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import formats
+from .config import ModelConfig
+from .transformer import Transformer
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is incomplete or does not match its config."""
+
+
+_PREFIX = "model."
+_BLOCK = (32, 32)
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its index when there is one."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    if single.exists():
+        return [single]
+    shards = sorted(directory.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"no safetensors files in {directory}")
+    return shards
+
+
+def read_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(released name, tensor) for every tensor of the checkpoint, lazily per file."""
+    for path in checkpoint_files(directory):
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _module_name(name: str) -> str:
+    """Released name -> parameter name. Both the DeepSeek layout (``layers.N...``,
+    ``head.weight``) and the Hugging Face one (``model.layers.N...``, ``lm_head.weight``)
+    are accepted."""
+    name = name[len(_PREFIX) :] if name.startswith(_PREFIX) else name
+    return "lm_head" + name[len("head") :] if name.startswith("head.") else name
+
+
+def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, target_shape: torch.Size) -> torch.Tensor:
+    if weight.dtype == torch.float8_e4m3fn and weight.ndim == 2 and scale.shape[-1] * 32 >= weight.shape[-1]:
+        if ".embed." in name:  # Engram rows: one scale per 32 values of a row
+            rows = formats.ENGRAM_ROW.dequantize(
+                formats.Packed(weight.view(torch.uint8), scale.view(torch.uint8).reshape(weight.shape[0], -1))
+            )
+            return rows
+        return formats.dequantize_fp8_weight(weight, scale, _BLOCK)
+    if weight.dtype in (torch.int8, torch.uint8) and weight.shape[-1] * 2 == target_shape[-1]:
+        return formats.dequantize_fp4_weight(weight, scale, block=32)
+    raise CheckpointError(f"{name}: unsupported quantised storage {weight.dtype} {tuple(weight.shape)}")
+
+
+def load_state(directory: Path, model: torch.nn.Module) -> None:
+    """Copy a checkpoint's tensors into ``model`` (dequantising), strictly.
+
+    Every parameter must be present and every tensor must be used; shapes must match.
+    """
+    params = dict(model.named_parameters())
+    pending_scales: dict[str, torch.Tensor] = {}
+    quantised: dict[str, torch.Tensor] = {}
+    loaded: set[str] = set()
+    for raw_name, tensor in read_tensors(directory):
+        name = _module_name(raw_name)
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in params:
+            pending_scales[name[: -len(".scale")] + ".weight"] = tensor
+            continue
+        if name not in params:
+            raise CheckpointError(f"unexpected tensor {raw_name} in {directory}")
+        if tensor.element_size() == 1 and tensor.dtype != torch.bool:
+            quantised[name] = tensor
+            continue
+        _copy(params[name], tensor, raw_name)
+        loaded.add(name)
+    for name, tensor in quantised.items():
+        if name not in pending_scales:
+            raise CheckpointError(f"{name}: quantised tensor without its scale")
+        _copy(params[name], _dequantize(name, tensor, pending_scales.pop(name), params[name].shape), name)
+        loaded.add(name)
+    # A float weight may still carry a (unused) scale, e.g. Engram rows saved unquantised.
+    for name, scale in pending_scales.items():
+        scale_param = name[: -len(".weight")] + ".scale"
+        if scale_param in params:
+            _copy(params[scale_param], scale, scale_param)
+            loaded.add(scale_param)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"{len(missing)} parameters missing from {directory}, e.g. {missing[:3]}")
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))
+
+
+def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
+    """Build the backbone from ``config.json`` and load its weights (fp32, eval mode)."""
+    directory = Path(directory)
+    config = ModelConfig.load(directory)
+    with torch.device("meta"):
+        model = Transformer(config.text)
+    model = model.to_empty(device="cpu")
+    model.rotary.apply(_rebuild_rotary)
+    load_state(directory, model)
+    return config, model.to(device).eval()
+
+
+def _rebuild_rotary(module: torch.nn.Module) -> None:
+    from .rope import Rotary, inv_frequencies
+
+    if isinstance(module, Rotary):
+        module.inv_freq = inv_frequencies(module.spec, module.rope_dim)
+
+
+def save_checkpoint(
+    directory: str | Path, config: ModelConfig, model: torch.nn.Module, quantize: bool = True
+) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the released layout.
+
+    With ``quantize``, dense 2-D matrices become FP8 with 32x32 UE8M0 tiles, routed
+    experts FP4 with UE8M0 per 32, Engram rows FP8 with UE8M0 per 32; norms, biases,
+    mHC parameters, sinks, embeddings and the head stay fp32 (the release keeps the
+    small and sensitive tensors in higher precision).
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in model.state_dict().items():
+        if name.startswith("rotary."):
+            continue
+        full = name if name.startswith("lm_head.") else _PREFIX + name
+        tensor = param.detach().to("cpu", torch.float32).contiguous()
+        if quantize and _is_quantised(name, tensor):
+            stem = full[: -len(".weight")]
+            if ".experts." in name:
+                data, scale = formats.quantize_fp4_weight(tensor)
+            elif ".embed." in name:
+                packed = formats.ENGRAM_ROW.quantize(tensor)
+                data, scale = packed.data.view(torch.float8_e4m3fn), packed.scales.view(torch.float8_e8m0fnu)
+            else:
+                data, scale = formats.quantize_fp8_weight(tensor, _BLOCK)
+            tensors[full], tensors[stem + ".scale"] = data.contiguous(), scale.contiguous()
+        elif name.endswith("engram.embed.scale") and quantize:
+            continue  # replaced by the quantised rows' own scales
+        else:
+            tensors[full] = tensor
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+
+
+def _is_quantised(name: str, tensor: torch.Tensor) -> bool:
+    if not name.endswith(".weight") or tensor.ndim != 2:
+        return False
+    if name.startswith(("embed.", "lm_head.")) or ".gate.weight" in name:
+        return False
+    if ".embed." in name:
+        return tensor.shape[-1] % 32 == 0
+    if ".experts." in name and ".shared_experts." not in name:
+        return tensor.shape[-1] % 32 == 0
+    return True
+
+
+def config_to_dict(config: ModelConfig) -> dict:
+    """The composite config mapping :meth:`ModelConfig.from_dict` reads back."""
+    out: dict = dict(config.extra)
+    out["text_config"] = config.text.to_dict()
+    if config.vision is not None:
+        from dataclasses import asdict
+
+        out["vision_config"] = asdict(config.vision)
+    if config.quantization is not None:
+        out["quantization_config"] = config.quantization
+    if config.image_token_id is not None:
+        out["image_token_id"] = config.image_token_id
+    return out
+
+
+def load_tokenizer(directory: str | Path):
+    """The checkpoint's ``tokenizers.Tokenizer`` (``tokenizer.json``)."""
+    from tokenizers import Tokenizer
+
+    path = Path(directory) / "tokenizer.json"
+    if not path.exists():
+        raise CheckpointError(f"no tokenizer.json in {directory}")
+    return Tokenizer.from_file(str(path))
+
+
+def load_hasher(directory: str | Path, config: ModelConfig):
+    """The Engram n-gram hasher of a checkpoint (None when it has no Engram layers)."""
+    from .engram import EngramLayout, NgramHasher
+
+    if not config.text.engram_layer_ids:
+        return None
+    return NgramHasher.from_tokenizer(EngramLayout.from_config(config.text), load_tokenizer(directory))

@@ -1,0 +1,99 @@
+"""Mixture of experts: one shared expert plus top-k of N routed SwiGLU experts.
+
+Router (DeepSeek's auxiliary-loss-free balancing, V4.1 flavour):
+``score = sqrt(softplus(x @ W.T / gate_temp))``; experts are *selected* by
+``score + bias`` (a separate ``bias_vl`` for image tokens), but *weighted* by the raw
+scores of the selected experts, normalised to sum to one and times
+``routed_scaling_factor`` (1.5). Inside each expert the up branch is clamped to
+``[-limit, limit]`` and the gate branch from above, keeping FP8/FP4 activations in range.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _score(logits: torch.Tensor, func: str) -> torch.Tensor:
+    if func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+class Router(nn.Module):
+    """Top-k expert choice: returns (weights [N, k] fp32, indices [N, k])."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, scoring_func: str, gate_temp: float,
+                 norm_topk_prob: bool, scaling: float):
+        super().__init__()
+        self.top_k, self.scoring_func, self.gate_temp = top_k, scoring_func, gate_temp
+        self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(n_experts))
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts))
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = _score(F.linear(x.float(), self.weight.float()) / self.gate_temp, self.scoring_func)
+        bias = self.bias.float()
+        if image_mask is not None:
+            bias = torch.where(image_mask.reshape(-1, 1), self.bias_vl.float(), bias)
+        indices = (scores + bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, indices)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, indices
+
+
+class Expert(nn.Module):
+    """SwiGLU block: ``w2(silu(clamp(w1 x)) * clamp(w3 x))`` (optionally weighted before w2)."""
+
+    def __init__(self, hidden: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            up = up.clamp(-self.limit, self.limit)
+            gate = gate.clamp(max=self.limit)
+        y = F.silu(gate) * up
+        if weight is not None:
+            y = y * weight
+        return self.w2(y.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Shared expert + routed experts. ``forward`` takes ``[..., D]``, returns the same shape."""
+
+    def __init__(self, hidden: int, inter: int, n_experts: int, top_k: int, limit: float, scoring_func: str,
+                 gate_temp: float, norm_topk_prob: bool, scaling: float):
+        super().__init__()
+        self.gate = Router(hidden, n_experts, top_k, scoring_func, gate_temp, norm_topk_prob, scaling)
+        self.experts = nn.ModuleList(Expert(hidden, inter, limit) for _ in range(n_experts))
+        self.shared_experts = Expert(hidden, inter, limit)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(flat, image_mask)
+        out = self.shared_experts(flat).float()
+        # Dispatch: group the (token, slot) pairs by expert and run each expert once.
+        order = indices.flatten().argsort(stable=True)
+        counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
+        tokens = order // indices.shape[1]
+        slot_weights = weights.flatten()[order]
+        routed = torch.zeros_like(out)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start : start + count]
+                y = expert(flat[rows], slot_weights[start : start + count, None])
+                routed.index_add_(0, rows, y.float())
+                start += count
+        return (routed + out).to(x.dtype).reshape(shape)

@@ -1,0 +1,204 @@
+"""The V4.1 backbone, top to bottom, and its reference full-sequence forward.
+
+token ids -> embedding copied into ``hc_mult`` streams -> 40 blocks (Engram write at
+its layers, then attention and MoE, each wrapped in mHC) -> collapse -> norm ->
+output head. The first half of the blocks is the causal encoder, the second the
+decoder whose long-range memory is projected from the encoder's output (the CED
+source layer's compressor reads its own input, which is the encoder's output).
+
+:meth:`Transformer.forward` is the plain reference: every layer over every token,
+fp32, dense masks. It is the oracle the engine's cached paths are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import mhc
+from .attention import CSA2Attention, candidate_blocks, top_entries, visible_entries, window_mask
+from .config import AttentionMode, LayerPlan, TextConfig
+from .engram import EngramGate
+from .moe import MoE
+from .norm import RMSNorm
+from .rope import Rotary
+
+
+class Block(nn.Module):
+    """One backbone layer: optional Engram write, attention and MoE under mHC."""
+
+    def __init__(self, config: TextConfig, plan: LayerPlan):
+        super().__init__()
+        self.plan = plan
+        self.hc_iters, self.hc_eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.attn = CSA2Attention(config, plan)
+        self.ffn = MoE(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.swiglu_limit,
+            config.scoring_func,
+            config.gate_temp,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
+        )
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.engram = EngramGate.from_config(config, plan.index) if plan.has_engram else None
+        self.engram_table = config.engram_layer_ids.index(plan.index) if plan.has_engram else None
+        hc, mix = config.hc_mult, (2 + config.hc_mult) * config.hc_mult
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, hc * config.hidden_size)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+    def mixes(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre, post, comb) of the ``attn`` or ``ffn`` site for ``streams`` [B, S, hc, D]."""
+        fn, base, scale = (getattr(self, f"hc_{site}_{name}") for name in ("fn", "base", "scale"))
+        return mhc.hc_mixes(streams, fn, scale, base, self.hc_iters, self.hc_eps, self.norm_eps)
+
+    def ffn_sublayer(self, streams: torch.Tensor, attn_pre: torch.Tensor, image_mask: torch.Tensor | None):
+        """The MoE half of the block: returns (streams, the ``pre`` for the next site)."""
+        ffn_pre, ffn_post, ffn_comb = self.mixes(streams, "ffn")
+        x = self.ffn_norm(mhc.collapse(streams, attn_pre))
+        mask = image_mask.reshape(-1) if image_mask is not None else None
+        return mhc.expand(self.ffn(x, mask), streams, ffn_post, ffn_comb), ffn_pre
+
+
+@dataclass
+class SequenceMemory:
+    """Long-range state one forward publishes to later layers of the same KV group.
+
+    ``entries`` [B, T, hd] and ``keys`` [B, T, d] come from the group's Full layer;
+    ``candidates`` [B, S, T] from the candidate source; ``picks`` [B, S, T] bool from
+    the last indexer.
+    """
+
+    entries: dict[int, torch.Tensor] = field(default_factory=dict)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: torch.Tensor | None = None
+    picks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Transformer(nn.Module):
+    """The backbone. Parameter names match the released checkpoint minus ``model.``."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.plans = config.layer_plans()
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, plan) for plan in self.plans)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = nn.ModuleDict(
+            {kind: Rotary(config.rope_spec(kind), config.qk_rope_head_dim) for kind in ("main", "compress")}
+        )
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float | None = None) -> "Transformer":
+        """Random initialisation (tests, training from scratch): matrices and tables
+        ~ N(0, std), norms and mHC scales 1, biases, mHC bases and sinks 0."""
+        std = self.config.initializer_range if std is None else std
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name or leaf in ("q_weight", "k_weight", "scale") or leaf.endswith("_scale"):
+                param.fill_(1.0)
+            elif leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+        return self
+
+    # ------------------------------------------------------------------ reference
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        engram_ids: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Reference logits [B, S, V] for ``input_ids`` [B, S] starting at position 0.
+
+        ``engram_ids`` [B, S, n_engram_layers, cols] are the Engram row ids of every
+        position (:class:`model.engram.NgramHasher`); required when the model has
+        Engram layers. ``image_mask`` [B, S] marks image tokens (router bias, Engram off).
+        """
+        streams, pre = self.embed_streams(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        rows = self.engram_rows(engram_ids)
+        memory = SequenceMemory()
+        for block in self.layers:
+            streams, pre = self.block_forward(block, streams, pre, positions, memory, rows, image_mask)
+        return self.head(streams, pre)
+
+    def engram_rows(self, engram_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """Rows [B, S, cols, head_dim] per Engram layer, fetched from the in-process tables."""
+        blocks = [b for b in self.layers if b.engram is not None]
+        if blocks and engram_ids is None:
+            raise ValueError("this model has Engram layers: pass engram_ids from the NgramHasher")
+        return {b.plan.index: b.engram.lookup(engram_ids[:, :, b.engram_table]) for b in blocks}
+
+    def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B, S] -> (streams [B, S, hc, D], the first site's one-hot ``pre``)."""
+        x = self.embed(input_ids)
+        streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.hc_mult, x.shape[-1]).contiguous()
+        return streams, mhc.first_pre(streams)
+
+    def head(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Final collapse, norm and output head: -> logits [B, S, V] (fp32)."""
+        return self.lm_head(self.norm(mhc.collapse(streams, pre))).float()
+
+    @staticmethod
+    def engram_write(block: Block, streams, engram_rows: dict[int, torch.Tensor], image_mask):
+        """The Engram write before a block (image tokens keep their streams)."""
+        if block.engram is None:
+            return streams
+        live = None if image_mask is None else ~image_mask
+        return block.engram(streams, engram_rows[block.plan.index], live)
+
+    def block_forward(self, block: Block, streams, pre, positions, memory: SequenceMemory, engram_rows, image_mask):
+        """One block over whole sequences starting at position 0 (the reference path)."""
+        streams = self.engram_write(block, streams, engram_rows, image_mask)
+        attn_pre, attn_post, attn_comb = block.mixes(streams, "attn")
+        x = block.attn_norm(mhc.collapse(streams, pre))
+        out = self.attention_reference(block.attn, x, positions, memory)
+        streams = mhc.expand(out, streams, attn_post, attn_comb)
+        return block.ffn_sublayer(streams, attn_pre, image_mask)
+
+    def attention_reference(self, attn: CSA2Attention, x: torch.Tensor, positions: torch.Tensor, memory: SequenceMemory):
+        """Attention of one layer over whole sequences [B, S, D] with dense masks."""
+        plan, config = attn.plan, self.config
+        cos, sin = self.rotary[plan.rope](positions)
+        q, q_residual = attn.queries(x, cos, sin)
+        keys = attn.window_entries(x, cos, sin)
+        mask = window_mask(positions, positions, config.sliding_window)
+        if plan.mode is not AttentionMode.WINDOW:
+            ratio, source = plan.compress_ratio, plan.kv_source
+            if plan.mode is AttentionMode.FULL:
+                n_groups = x.shape[1] // ratio
+                latent = attn.compressor(x[:, : n_groups * ratio])
+                entry_pos = positions[:, : n_groups * ratio : ratio]
+                cos_e, sin_e = self.rotary["compress"](entry_pos)
+                memory.entries[source] = attn.compressed_entries(latent, cos_e, sin_e)
+                memory.keys[source] = attn.indexer.keys(latent, cos_e, sin_e)
+            entries = memory.entries[source]
+            if plan.runs_indexer:
+                scores = attn.indexer.scores(x, q_residual, cos, sin, memory.keys[source])
+                visible = visible_entries(positions, entries.shape[1], ratio)
+                scores = scores.masked_fill(~visible, float("-inf"))
+                if plan.is_candidate_source:
+                    n_visible = (positions + 1) // ratio
+                    memory.candidates = candidate_blocks(
+                        scores, n_visible, config.candidate_topk_blocks, config.candidate_block_size
+                    )
+                elif plan.candidate_source is not None:
+                    scores = scores.masked_fill(~memory.candidates, float("-inf"))
+                memory.picks[plan.index] = top_entries(scores, config.index_topk)
+            keys = torch.cat((keys, entries), dim=1)
+            mask = torch.cat((mask, memory.picks[plan.index_source]), dim=-1)
+        return attn.output(attn.attend(q, keys, mask), cos, sin)

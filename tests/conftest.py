@@ -1,0 +1,38 @@
+"""Shared fixtures: the golden checkpoint and its reference outputs (tests/golden/A)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden" / "A"
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    return GOLDEN
+
+
+@pytest.fixture(scope="session")
+def golden_model():
+    from model.loader import load_model
+
+    return load_model(GOLDEN)
+
+
+@pytest.fixture(scope="session")
+def golden_hasher(golden_model):
+    from tokenizers import Tokenizer
+
+    from model.engram import EngramLayout, NgramHasher
+
+    config, _ = golden_model
+    tokenizer = Tokenizer.from_file(str(GOLDEN / "tokenizer.json"))
+    return NgramHasher.from_tokenizer(EngramLayout.from_config(config.text), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def golden_prompts() -> list[list[int]]:
+    return [p["input_ids"] for p in json.loads((GOLDEN / "inputs.json").read_text())["prompts"]]
