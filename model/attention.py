@@ -97,10 +97,13 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def keys_raw(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE latents [B, G, head_dim] -> indexer keys before FP4 quantisation."""
+        return apply_rotary(self.k_norm(self.wk(latent)), cos, sin)
+
     def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE latents [B, G, head_dim] -> indexer keys [B, G, index_head_dim] (FP4 values)."""
-        k = apply_rotary(self.k_norm(self.wk(latent)), cos, sin)
-        return INDEXER_KEY.fake_quant(k)
+        return INDEXER_KEY.fake_quant(self.keys_raw(latent, cos, sin))
 
     def scores(
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor
@@ -140,9 +143,18 @@ class CSA2Attention(nn.Module):
         q = self.wq_b(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
         return apply_rotary(q, cos, sin), q_residual
 
+    def window_raw(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, S, D] -> window entries [B, S, hd] before FP8 quantisation (RoPE included)."""
+        return apply_rotary(self.kv_norm(self.wkv(x)), cos, sin)
+
     def window_entries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x`` [B, S, D] -> the window cache's entries [B, S, hd] (FP8 values, RoPE included)."""
-        return WINDOW_KV.fake_quant(apply_rotary(self.kv_norm(self.wkv(x)), cos, sin))
+        """``x`` [B, S, D] -> the window cache's entries [B, S, hd] (FP8 values)."""
+        return WINDOW_KV.fake_quant(self.window_raw(x, cos, sin))
+
+    @staticmethod
+    def compressed_raw(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE latents [B, G, hd] -> long-range entries before FP4 quantisation."""
+        return apply_rotary(latent, cos, sin)
 
     @staticmethod
     def compressed_entries(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

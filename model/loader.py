@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,24 +68,28 @@ def _module_name(name: str) -> str:
 
 
 def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, target_shape: torch.Size) -> torch.Tensor:
-    if weight.dtype == torch.float8_e4m3fn and weight.ndim == 2 and scale.shape[-1] * 32 >= weight.shape[-1]:
-        if ".embed." in name:  # Engram rows: one scale per 32 values of a row
-            rows = formats.ENGRAM_ROW.dequantize(
-                formats.Packed(weight.view(torch.uint8), scale.view(torch.uint8).reshape(weight.shape[0], -1))
-            )
-            return rows
+    """Float32 values of a quantised checkpoint tensor (layouts in the module doc)."""
+    if weight.dtype == torch.float8_e4m3fn and weight.ndim == 2:
+        if name.endswith(".engram.embed.weight"):
+            packed = formats.Packed(weight.view(torch.uint8), scale.view(torch.uint8))
+            return formats.ENGRAM_ROW.dequantize(packed)
         return formats.dequantize_fp8_weight(weight, scale, _BLOCK)
     if weight.dtype in (torch.int8, torch.uint8) and weight.shape[-1] * 2 == target_shape[-1]:
         return formats.dequantize_fp4_weight(weight, scale, block=32)
     raise CheckpointError(f"{name}: unsupported quantised storage {weight.dtype} {tuple(weight.shape)}")
 
 
-def load_state(directory: Path, model: torch.nn.Module) -> None:
-    """Copy a checkpoint's tensors into ``model`` (dequantising), strictly.
+def load_state(directory: Path, modules: list[torch.nn.Module]) -> None:
+    """Copy a checkpoint's tensors into ``modules`` (dequantising), strictly.
 
-    Every parameter must be present and every tensor must be used; shapes must match.
+    The modules' parameter names must not collide (the backbone owns ``layers.``,
+    ``embed.``, ``norm.``, ``lm_head.``; the drafter ``mtp.``; the vision tower
+    ``vision.``, ``aligner.``, ``image_*``). Every parameter must be present, every
+    tensor used, every shape equal.
     """
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = {}
+    for module in modules:
+        params.update(module.named_parameters())
     pending_scales: dict[str, torch.Tensor] = {}
     quantised: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
@@ -105,6 +110,11 @@ def load_state(directory: Path, model: torch.nn.Module) -> None:
             raise CheckpointError(f"{name}: quantised tensor without its scale")
         _copy(params[name], _dequantize(name, tensor, pending_scales.pop(name), params[name].shape), name)
         loaded.add(name)
+        scale_param = name[: -len(".weight")] + ".scale"
+        if scale_param in params:  # Engram rows are held dequantised: their scales are 1
+            with torch.no_grad():
+                params[scale_param].fill_(1.0)
+            loaded.add(scale_param)
     # A float weight may still carry a (unused) scale, e.g. Engram rows saved unquantised.
     for name, scale in pending_scales.items():
         scale_param = name[: -len(".weight")] + ".scale"
@@ -123,16 +133,48 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         param.copy_(tensor.to(param.dtype))
 
 
-def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
-    """Build the backbone from ``config.json`` and load its weights (fp32, eval mode)."""
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: the backbone, and the drafter and vision tower when the
+    config has them (fp32, eval mode)."""
+
+    config: ModelConfig
+    backbone: Transformer
+    drafter: torch.nn.Module | None = None
+    vision: torch.nn.Module | None = None
+
+
+def build_modules(config: ModelConfig, device: str | torch.device = "cpu") -> Checkpoint:
+    """The modules a config describes, uninitialised, on ``device`` (``meta`` allowed)."""
+    from .dspark import DSparkDrafter
+    from .vision import VisionTower
+
+    with torch.device(device):
+        backbone = Transformer(config.text)
+        drafter = DSparkDrafter(config.text) if config.text.num_nextn_predict_layers else None
+        vision = VisionTower(config.vision, config.text) if config.vision is not None else None
+    return Checkpoint(config, backbone, drafter, vision)
+
+
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+    """Build every part of the checkpoint from ``config.json`` and load its weights."""
     directory = Path(directory)
     config = ModelConfig.load(directory)
-    with torch.device("meta"):
-        model = Transformer(config.text)
-    model = model.to_empty(device="cpu")
-    model.rotary.apply(_rebuild_rotary)
-    load_state(directory, model)
-    return config, model.to(device).eval()
+    meta = build_modules(config, "meta")
+    parts = {
+        name: module.to_empty(device="cpu")
+        for name, module in (("backbone", meta.backbone), ("drafter", meta.drafter), ("vision", meta.vision))
+        if module is not None
+    }
+    parts["backbone"].rotary.apply(_rebuild_rotary)
+    load_state(directory, list(parts.values()))
+    return Checkpoint(config, **{name: module.to(device).eval() for name, module in parts.items()})
+
+
+def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
+    """The config and the backbone of a checkpoint (every part is loaded and checked)."""
+    checkpoint = load_checkpoint(directory, device)
+    return checkpoint.config, checkpoint.backbone
 
 
 def _rebuild_rotary(module: torch.nn.Module) -> None:
@@ -142,46 +184,45 @@ def _rebuild_rotary(module: torch.nn.Module) -> None:
         module.inv_freq = inv_frequencies(module.spec, module.rope_dim)
 
 
-def save_checkpoint(
-    directory: str | Path, config: ModelConfig, model: torch.nn.Module, quantize: bool = True
-) -> None:
-    """Write ``config.json`` and ``model.safetensors`` in the released layout.
+def save_checkpoint(directory: str | Path, checkpoint: Checkpoint, quantize: bool = True) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the released layout and names.
 
-    With ``quantize``, dense 2-D matrices become FP8 with 32x32 UE8M0 tiles, routed
-    experts FP4 with UE8M0 per 32, Engram rows FP8 with UE8M0 per 32; norms, biases,
-    mHC parameters, sinks, embeddings and the head stay fp32 (the release keeps the
-    small and sensitive tensors in higher precision).
+    With ``quantize``, 2-D projection matrices become FP8 with UE8M0 scales per 32x32
+    tile, routed experts FP4 with UE8M0 per 32, Engram rows FP8 with UE8M0 per 32;
+    embeddings, head, routers, norms, mHC parameters, sinks and biases stay fp32.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.state_dict().items():
-        if name.startswith("rotary."):
-            continue
-        full = name if name.startswith("lm_head.") else _PREFIX + name
-        tensor = param.detach().to("cpu", torch.float32).contiguous()
-        if quantize and _is_quantised(name, tensor):
-            stem = full[: -len(".weight")]
-            if ".experts." in name:
-                data, scale = formats.quantize_fp4_weight(tensor)
-            elif ".embed." in name:
-                packed = formats.ENGRAM_ROW.quantize(tensor)
-                data, scale = packed.data.view(torch.float8_e4m3fn), packed.scales.view(torch.float8_e8m0fnu)
+    modules = [m for m in (checkpoint.backbone, checkpoint.drafter, checkpoint.vision) if m is not None]
+    for module in modules:
+        for name, param in module.named_parameters():
+            full = "head" + name[len("lm_head") :] if name.startswith("lm_head.") else name
+            tensor = param.detach().to("cpu", torch.float32).contiguous()
+            if quantize and name.endswith(".engram.embed.scale"):
+                continue  # replaced by the quantised rows' own scales
+            if quantize and _is_quantised(name, tensor):
+                stem = full[: -len(".weight")]
+                if ".embed." in name:
+                    packed = formats.ENGRAM_ROW.quantize(tensor)
+                    data, scale = packed.data.view(torch.float8_e4m3fn), packed.scales.view(torch.float8_e8m0fnu)
+                elif ".experts." in name and ".shared_experts." not in name:
+                    data, scale = formats.quantize_fp4_weight(tensor)
+                else:
+                    data, scale = formats.quantize_fp8_weight(tensor, _BLOCK)
+                tensors[full], tensors[stem + ".scale"] = data.contiguous(), scale.contiguous()
             else:
-                data, scale = formats.quantize_fp8_weight(tensor, _BLOCK)
-            tensors[full], tensors[stem + ".scale"] = data.contiguous(), scale.contiguous()
-        elif name.endswith("engram.embed.scale") and quantize:
-            continue  # replaced by the quantised rows' own scales
-        else:
-            tensors[full] = tensor
+                tensors[full] = tensor
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(config_to_dict(checkpoint.config), indent=2) + "\n")
 
 
 def _is_quantised(name: str, tensor: torch.Tensor) -> bool:
-    if not name.endswith(".weight") or tensor.ndim != 2:
+    if not name.endswith(".weight") or tensor.ndim != 2 or "norm" in name:
         return False
-    if name.startswith(("embed.", "lm_head.")) or ".gate.weight" in name:
+    if name.startswith(("embed.", "lm_head.", "vision.", "aligner.")) or ".gate.weight" in name:
+        return False
+    if "markov_head" in name or "confidence_head" in name:
         return False
     if ".embed." in name:
         return tensor.shape[-1] % 32 == 0

@@ -11,7 +11,9 @@ import argparse
 import importlib
 
 # name -> (module, one-line help)
-BENCHES: dict[str, tuple[str, str]] = {}
+BENCHES: dict[str, tuple[str, str]] = {
+    "store": ("cluster.bench.store", "tiered store GET/PUT throughput against the raw tiers"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,154 @@
+"""Explicit, byte-exact caches of one sequence, owned by the engine.
+
+The bytes are the cache of record, in the released layouts of :mod:`model.formats`
+(window entries FP8 with a UE8M0 scale per 32; long-range entries FP4 with an E4M3
+scale per 16; indexer keys FP4 with a UE8M0 scale per 32). Each :class:`PackedRows`
+also keeps the dequantised values of its rows, which are exactly
+``fmt.dequantize(bytes)``: compute reads them instead of decoding the same bytes at
+every step.
+
+A :class:`SequenceCache` is what one conversation leaves behind:
+
+- long-range state (kept for days, stored in chunks): per KV-source layer the
+  compressed entries and the indexer keys;
+- window state (kept for minutes in host RAM): per layer the last ``sliding_window``
+  window entries, the hidden states of incomplete pooling groups, and the Engram
+  n-gram context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import TextConfig
+from .engram import NgramContext
+from .formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV, BlockFormat, Packed
+
+
+class PackedRows:
+    """A growable list of vectors of ``dim`` values stored in one block format.
+
+    ``data`` is ``[n, row_bytes]`` uint8 (payload bytes, then the scale bytes of the
+    row); ``values`` ``[n, dim]`` float32 are the same rows dequantised. Capacity
+    doubles, so appending one row per decode step is amortised O(1).
+    """
+
+    def __init__(self, fmt: BlockFormat, dim: int, device: torch.device | str = "cpu"):
+        self.fmt, self.dim = fmt, dim
+        self.payload = dim if fmt.element == "e4m3" else dim // 2
+        self.row_bytes = fmt.nbytes(dim)
+        self._data = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=device)
+        self._values = torch.empty(0, dim, dtype=torch.float32, device=device)
+        self.n = 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._data[: self.n]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[: self.n]
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.row_bytes
+
+    def append(self, raw: torch.Tensor) -> torch.Tensor:
+        """Quantise ``raw`` [m, dim] and append it; returns the stored values [m, dim]."""
+        packed = self.fmt.quantize(raw)
+        return self.append_bytes(torch.cat((packed.data, packed.scales), dim=-1))
+
+    def append_bytes(self, rows: torch.Tensor) -> torch.Tensor:
+        """Append rows given as bytes [m, row_bytes]; returns their values [m, dim]."""
+        m = rows.shape[0]
+        if rows.shape[-1] != self.row_bytes:
+            raise ValueError(f"rows of {rows.shape[-1]} bytes, expected {self.row_bytes}")
+        self._reserve(self.n + m)
+        values = self.decode(rows)
+        self._data[self.n : self.n + m] = rows
+        self._values[self.n : self.n + m] = values
+        self.n += m
+        return values
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        packed = Packed(rows[..., : self.payload], rows[..., self.payload :])
+        return self.fmt.dequantize(packed)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` rows (roll back rows appended by rejected tokens)."""
+        self.n = min(self.n, n)
+
+    def drop_front(self, k: int) -> None:
+        """Forget the first ``k`` rows (a window sliding forward)."""
+        if k <= 0:
+            return
+        keep = self.n - k
+        self._data[:keep] = self._data[k : self.n].clone()
+        self._values[:keep] = self._values[k : self.n].clone()
+        self.n = keep
+
+    def _reserve(self, n: int) -> None:
+        if n <= self._data.shape[0]:
+            return
+        capacity = max(n, 2 * self._data.shape[0], 16)
+        data = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self._data.device)
+        values = torch.empty(capacity, self.dim, dtype=torch.float32, device=self._values.device)
+        data[: self.n], values[: self.n] = self._data[: self.n], self._values[: self.n]
+        self._data, self._values = data, values
+
+
+@dataclass
+class Window:
+    """One layer's sliding window: the entries of positions ``[start, start + n)``."""
+
+    rows: PackedRows
+    start: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows.n
+
+
+@dataclass
+class SequenceCache:
+    """Everything one sequence leaves behind for its next tokens.
+
+    ``length`` counts the positions whose long-range state is in the cache;
+    ``windows[i]`` is ``None`` for a layer whose window has not been built (expired,
+    or not yet replayed); ``pending[src]`` holds the normalised hidden states
+    ``[k, D]`` of the incomplete pooling group of KV source ``src``.
+    """
+
+    config: TextConfig
+    length: int = 0
+    entries: dict[int, PackedRows] = field(default_factory=dict)
+    keys: dict[int, PackedRows] = field(default_factory=dict)
+    windows: list[Window | None] = field(default_factory=list)
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    ngram: NgramContext | None = None
+
+    @classmethod
+    def empty(cls, config: TextConfig, device: torch.device | str = "cpu") -> "SequenceCache":
+        cache = cls(config=config)
+        for plan in config.layer_plans():
+            if plan.is_kv_source:
+                cache.entries[plan.index] = PackedRows(COMPRESSED_KV, config.head_dim, device)
+                cache.keys[plan.index] = PackedRows(INDEXER_KEY, config.index_head_dim, device)
+                cache.pending[plan.index] = torch.empty(0, config.hidden_size, device=device)
+        cache.windows = [None] * config.num_hidden_layers
+        return cache
+
+    def new_window(self, layer: int, start: int) -> Window:
+        device = next(iter(self.entries.values()))._data.device if self.entries else "cpu"
+        window = Window(PackedRows(WINDOW_KV, self.config.head_dim, device), start)
+        self.windows[layer] = window
+        return window
+
+    def long_range_bytes(self) -> int:
+        """Bytes of the long-range caches (entries + indexer keys)."""
+        return sum(r.nbytes for r in self.entries.values()) + sum(r.nbytes for r in self.keys.values())
+
+    def window_bytes(self) -> int:
+        return sum(w.rows.nbytes for w in self.windows if w is not None)

@@ -1,0 +1,307 @@
+"""The inference engine: CED prefill, bounded replays, batched decode, over explicit caches.
+
+What the pools run (the seed's "The encoder and the decoder", "When the cache
+leaves the GPU"):
+
+- :meth:`Engine.prefill` (prefill pool): the encoder half over a sequence's new
+  tokens, extending every encoder window and long-range cache, plus the CED
+  projection: the decoder's KV source builds its long-range entries for those tokens
+  from the encoder's output. It returns a :class:`DecoderInput`, the decoder-input
+  streams of the tokens the decoder must replay.
+- :meth:`Engine.replay` (decoder pool): the decoder half over those tokens, which
+  builds the decoder windows and gives the logits of the next token. With the bound
+  on (Decoder SWA Bounded Replay) only the last ``sliding_window`` prompt tokens are
+  replayed; with ``exact`` the whole prompt is, and the result equals the reference.
+- :meth:`Engine.decode`: one step for a batch of sequences, each with one or more new
+  tokens at its own position; every new token runs all layers and extends every cache.
+- :meth:`Engine.restore` (Encoder SWA Bounded Replay): when a conversation's window
+  state has expired, rebuild the encoder windows from its long-range caches by
+  rerunning the encoder on its last ``sliding_window`` tokens only.
+
+Attention reads exactly the places it is allowed: for each query, its window (at
+most ``sliding_window`` entries) and the ``index_topk`` long-range entries its
+indexer picked, gathered from the cache; the indexer scans the keys (Reindex layers
+only the candidate pool). Tokens of all sequences in a step are flattened into one
+batch for projections, mHC and MoE; attention runs per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import mhc
+from .attention import candidate_blocks, top_entries
+from .cache import SequenceCache
+from .config import AttentionMode
+from .engram import NgramHasher
+from .transformer import Block, Transformer
+
+
+@dataclass
+class DecoderInput:
+    """The decoder-input streams of the tokens the decoder will (re)play.
+
+    ``positions`` [n] absolute, ``streams`` [n, hc, D] and ``pre`` [n, hc] are the
+    encoder's output (the mHC streams after the last encoder layer and the mix its
+    last site chose), ``token_ids`` [n] the tokens (for Engram layers in the decoder).
+    """
+
+    positions: torch.Tensor
+    streams: torch.Tensor
+    pre: torch.Tensor
+    token_ids: torch.Tensor
+
+    def tail(self, n: int) -> "DecoderInput":
+        return DecoderInput(self.positions[-n:], self.streams[-n:], self.pre[-n:], self.token_ids[-n:])
+
+
+@dataclass
+class _Segment:
+    """New tokens of one sequence inside a flat batch: rows ``[lo, hi)``."""
+
+    cache: SequenceCache
+    positions: torch.Tensor
+    lo: int
+    hi: int
+
+
+class Engine:
+    """Runs a :class:`Transformer` over :class:`SequenceCache` objects. No I/O, no Ray."""
+
+    def __init__(self, model: Transformer, hasher: NgramHasher | None, bounded_replay: bool = True,
+                 query_chunk: int = 256):
+        self.model, self.hasher, self.bounded_replay = model, hasher, bounded_replay
+        self.config = model.config
+        self.query_chunk = query_chunk
+        self.decoder_start = self.config.decoder_start
+        self.window = self.config.sliding_window
+        if any(b.engram is not None for b in model.layers[self.decoder_start :]):
+            # The decoder replays tokens it did not embed; V4.1's Engram layers (1, 14) are encoder layers.
+            raise ValueError("Engram layers in the decoder half are not supported by the engine")
+
+    def new_cache(self) -> SequenceCache:
+        device = self.model.embed.weight.device
+        cache = SequenceCache.empty(self.config, device)
+        if self.hasher is not None:
+            cache.ngram = self.hasher.empty_context(1, device)
+        return cache
+
+    # ------------------------------------------------------------------ pools
+    @torch.no_grad()
+    def prefill(self, cache: SequenceCache, token_ids: list[int], engram_rows=None) -> DecoderInput:
+        """Encoder half over ``token_ids`` (positions ``cache.length`` on) + CED projection.
+
+        ``engram_rows`` is an optional thunk returning, per Engram layer, rows
+        [n, cols, head_dim] for these tokens (a remote table service); it is called
+        right before the first Engram layer. Without it the model's tables are read.
+        """
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.model.embed.weight.device)
+        positions = torch.arange(cache.length, cache.length + len(token_ids), device=ids.device)
+        rows = self._engram_rows(cache, ids, engram_rows, advance=True)
+        streams, pre = self.model.embed_streams(ids[None])
+        streams, pre = streams[0], pre[0]
+        segments = [_Segment(cache, positions, 0, len(token_ids))]
+        streams, pre = self._run(segments, streams, pre, range(self.decoder_start), rows)
+        self._project_decoder_memory(segments, streams, pre, rows)
+        cache.length += len(token_ids)
+        return DecoderInput(positions, streams, pre, ids)
+
+    @torch.no_grad()
+    def replay(self, cache: SequenceCache, inputs: DecoderInput, exact: bool | None = None) -> torch.Tensor:
+        """Decoder half over the prompt tail; returns the next token's logits [V].
+
+        The decoder windows continue where they end; a missing window starts at the
+        first replayed position. Bounded (default): the last ``sliding_window`` tokens.
+        """
+        exact = not self.bounded_replay if exact is None else exact
+        windows = [cache.windows[i] for i in range(self.decoder_start, self.config.num_hidden_layers)]
+        continuing = all(w is not None for w in windows) and windows and windows[0].end == int(inputs.positions[0])
+        if not exact and not continuing and len(inputs.positions) > self.window:
+            inputs = inputs.tail(self.window)
+        if not continuing:
+            for i in range(self.decoder_start, self.config.num_hidden_layers):
+                cache.windows[i] = None
+        segments = [_Segment(cache, inputs.positions, 0, len(inputs.positions))]
+        layers = range(self.decoder_start, self.config.num_hidden_layers)
+        streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, {})
+        return self.model.head(streams[-1:], pre[-1:])[0]
+
+    @torch.no_grad()
+    def decode(self, batch: list[tuple[SequenceCache, list[int]]]) -> list[torch.Tensor]:
+        """One step: every sequence's new tokens through all layers; logits [n_i, V] each."""
+        device = self.model.embed.weight.device
+        segments, ids, rows = [], [], []
+        lo = 0
+        for cache, tokens in batch:
+            t = torch.tensor(tokens, dtype=torch.long, device=device)
+            positions = torch.arange(cache.length, cache.length + len(tokens), device=device)
+            segments.append(_Segment(cache, positions, lo, lo + len(tokens)))
+            ids.append(t)
+            rows.append(self._engram_rows(cache, t, None, advance=True))
+            lo += len(tokens)
+        flat_ids = torch.cat(ids)
+        flat_rows = {layer: torch.cat([r[layer] for r in rows]) for layer in (rows[0] if rows else {})}
+        streams, pre = self.model.embed_streams(flat_ids[None])
+        streams, pre = self._run(segments, streams[0], pre[0], range(self.config.num_hidden_layers), flat_rows)
+        for segment in segments:
+            segment.cache.length += segment.hi - segment.lo
+        logits = self.model.head(streams, pre)
+        return [logits[s.lo : s.hi] for s in segments]
+
+    @torch.no_grad()
+    def restore(self, cache: SequenceCache, token_ids: list[int]) -> DecoderInput:
+        """Encoder SWA Bounded Replay: rebuild expired encoder windows of a sequence.
+
+        ``cache`` holds the long-range state of ``token_ids`` (the whole sequence so
+        far, ``cache.length`` tokens) but no windows; the encoder reruns on the last
+        ``sliding_window`` tokens only, starting from empty windows. Returns their
+        decoder-input streams (the decoder windows are rebuilt by :meth:`replay`).
+        """
+        if len(token_ids) != cache.length:
+            raise ValueError(f"{len(token_ids)} tokens for a cache of {cache.length}")
+        start = max(0, cache.length - self.window)
+        for i in range(self.config.num_hidden_layers):
+            cache.windows[i] = None
+        device = self.model.embed.weight.device
+        ids = torch.tensor(token_ids[start:], dtype=torch.long, device=device)
+        positions = torch.arange(start, cache.length, device=device)
+        rows = self._lookback_rows(cache, token_ids, start)
+        streams, pre = self.model.embed_streams(ids[None])
+        segments = [_Segment(cache, positions, 0, len(ids))]
+        streams, pre = self._run(segments, streams[0], pre[0], range(self.decoder_start), rows)
+        return DecoderInput(positions, streams, pre, ids)
+
+    # ------------------------------------------------------------------ layers
+    def _run(self, segments: list[_Segment], streams, pre, layers: range, rows: dict[int, torch.Tensor]):
+        """Blocks ``layers`` over the flat batch: streams [N, hc, D], pre [N, hc]."""
+        picks: list[dict] = [{} for _ in segments]  # per sequence: this step's indexer picks
+        for index in layers:
+            block = self.model.layers[index]
+            streams = self._engram(block, streams, rows)
+            attn_pre, attn_post, attn_comb = block.mixes(streams, "attn")
+            x = block.attn_norm(mhc.collapse(streams, pre))
+            out = torch.cat([self._attention(block, s, x[s.lo : s.hi], p) for s, p in zip(segments, picks)])
+            streams = mhc.expand(out, streams, attn_post, attn_comb)
+            streams, pre = block.ffn_sublayer(streams, attn_pre, None)
+        return streams, pre
+
+    def _engram(self, block: Block, streams, rows: dict[int, torch.Tensor]):
+        if block.engram is None:
+            return streams
+        return block.engram(streams, rows[block.plan.index], None)
+
+    def _project_decoder_memory(self, segments, streams, pre, rows) -> None:
+        """The CED projection: the decoder's KV source pools the encoder output."""
+        if self.decoder_start >= self.config.num_hidden_layers:
+            return
+        block = self.model.layers[self.decoder_start]
+        if block.plan.is_kv_source:
+            x = block.attn_norm(mhc.collapse(self._engram(block, streams, rows), pre))
+            for s in segments:
+                self._compress(block, s.cache, x[s.lo : s.hi], s.positions)
+
+    def _compress(self, block: Block, cache: SequenceCache, x: torch.Tensor, positions: torch.Tensor) -> None:
+        """Extend a KV source's long-range entries and indexer keys with complete groups.
+
+        Positions already covered by stored entries are skipped (so replays never
+        rewrite long-range state); the incomplete group's hidden states stay pending.
+        """
+        source, ratio = block.plan.index, block.plan.compress_ratio
+        entries, pending = cache.entries[source], cache.pending[source]
+        covered = entries.n * ratio
+        pending_start = covered
+        rows = torch.cat((pending, x)) if pending.shape[0] else x
+        row_pos = torch.cat((torch.arange(pending_start, pending_start + pending.shape[0], device=x.device), positions))
+        keep = row_pos >= covered
+        rows, row_pos = rows[keep], row_pos[keep]
+        if rows.shape[0] and int(row_pos[0]) != covered:
+            raise ValueError(f"layer {source}: pooling group starts at {int(row_pos[0])}, expected {covered}")
+        n_groups = rows.shape[0] // ratio
+        if n_groups:
+            latent = block.attn.compressor(rows[None, : n_groups * ratio])
+            entry_pos = row_pos[: n_groups * ratio : ratio][None]
+            cos, sin = self.model.rotary["compress"](entry_pos)
+            entries.append(block.attn.compressed_raw(latent, cos, sin)[0])
+            cache.keys[source].append(block.attn.indexer.keys_raw(latent, cos, sin)[0])
+        cache.pending[source] = rows[n_groups * ratio :]
+
+    def _attention(self, block: Block, segment: _Segment, x: torch.Tensor, picks: dict) -> torch.Tensor:
+        """One sequence's attention at one layer: x [n, D] -> [n, D]."""
+        plan, attn, cache, positions = block.plan, block.attn, segment.cache, segment.positions
+        cos, sin = self.model.rotary[plan.rope](positions[None])
+        q, q_residual = attn.queries(x[None], cos, sin)
+        window = cache.windows[plan.index]
+        if window is None:
+            window = cache.new_window(plan.index, int(positions[0]))
+        if window.end != int(positions[0]):
+            raise ValueError(f"layer {plan.index}: window ends at {window.end}, tokens start at {int(positions[0])}")
+        window.rows.append(attn.window_raw(x[None], cos, sin)[0])
+        # Window places of each query: positions p - W + 1 .. p, where cached.
+        offsets = torch.arange(self.window, device=x.device) - (self.window - 1)
+        win_index = positions[:, None] + offsets[None] - window.start  # [n, W]
+        win_valid = win_index >= 0
+        keys = window.rows.values[win_index.clamp_min(0)]  # [n, W, hd]
+        mask = win_valid
+        if plan.mode is not AttentionMode.WINDOW:
+            if plan.mode is AttentionMode.FULL:
+                self._compress(block, cache, x, positions)
+            entries = cache.entries[plan.kv_source].values
+            if plan.runs_indexer:
+                picks[plan.index] = self._pick(block, cache, x, q_residual, cos, sin, positions, picks)
+            index, valid = picks[plan.index_source]
+            keys = torch.cat((keys, entries[index]), dim=1)  # [n, W + k, hd]
+            mask = torch.cat((mask, valid), dim=1)
+        out = torch.cat([
+            attn.attend(q[0, i : i + self.query_chunk, None], keys[i : i + self.query_chunk],
+                        mask[i : i + self.query_chunk, None])[:, 0]
+            for i in range(0, len(positions), self.query_chunk)
+        ])
+        excess = window.rows.n - self.window
+        if excess > 0:
+            window.rows.drop_front(excess)
+            window.start += excess
+        return attn.output(out[None], cos, sin)[0]
+
+    def _pick(self, block: Block, cache, x, q_residual, cos, sin, positions, picks) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer of one layer: (entry indices [n, k], valid [n, k])."""
+        plan, config = block.plan, self.config
+        keys = cache.keys[plan.kv_source].values
+        n_entries = keys.shape[0]
+        k = min(config.index_topk, n_entries)
+        if k == 0:
+            empty = torch.zeros(len(positions), 0, dtype=torch.long, device=x.device)
+            return empty, empty.bool()
+        n_visible = (positions + 1) // plan.compress_ratio  # [n]
+        visible = torch.arange(n_entries, device=x.device) < n_visible[:, None]
+        scores = block.attn.indexer.scores(x[None], q_residual, cos, sin, keys[None])[0]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if plan.is_candidate_source:
+            picks["candidates"] = candidate_blocks(scores, n_visible, config.candidate_topk_blocks,
+                                                   config.candidate_block_size)
+        elif plan.candidate_source is not None:
+            scores = scores.masked_fill(~picks["candidates"], float("-inf"))
+        top = scores.topk(k, dim=-1)
+        return top.indices, top.values > float("-inf")
+
+    # ------------------------------------------------------------------ Engram rows
+    def _engram_rows(self, cache: SequenceCache, ids: torch.Tensor, thunk, advance: bool) -> dict[int, torch.Tensor]:
+        """Engram rows [n, cols, hd] per Engram layer for new tokens ``ids`` [n]."""
+        if self.hasher is None:
+            return {}
+        hash_ids, context = self.hasher.hash_ids(ids[None], cache.ngram)
+        if advance:
+            cache.ngram = context
+        if thunk is not None:
+            return thunk()
+        return {layer: rows[0] for layer, rows in self.model.engram_rows(hash_ids).items()}
+
+    def _lookback_rows(self, cache: SequenceCache, token_ids: list[int], start: int) -> dict[int, torch.Tensor]:
+        """Rows for tokens ``start..`` of a sequence, with their true n-gram look-back."""
+        if self.hasher is None:
+            return {}
+        back = max(0, start - (self.hasher.max_ngram_size - 1))
+        ids = torch.tensor(token_ids[back:], dtype=torch.long, device=self.model.embed.weight.device)
+        hash_ids, _ = self.hasher.hash_ids(ids[None])
+        return {layer: rows[0, start - back :] for layer, rows in self.model.engram_rows(hash_ids).items()}

@@ -1,0 +1,79 @@
+"""`v41 params` and `v41 forward`: the released model's accounting, reference logits, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster.cli import main
+from model.cache import SequenceCache
+from model.config import ModelConfig
+from model.engram import EngramLayout
+
+FULL = "configs/deepseek-v4.1-flash"
+
+
+@pytest.fixture(scope="module")
+def full_report():
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "params", FULL, "--json"],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_released_model_accounting(full_report):
+    r = full_report
+    assert abs(r["total"] / 763e9 - 1) < 0.01
+    assert abs(r["backbone"] / 552e9 - 1) < 0.01
+    text = ModelConfig.load(FULL).text
+    assert r["engram"] == sum(text.engram_num_embeddings) * text.engram_head_dim == 196_613_849_600
+    assert 15e9 <= r["active_per_output_token"] <= 17e9
+    assert 7e9 <= r["active_per_prompt_token"] <= 9e9
+    assert abs(r["checkpoint_bytes"] / 511e9 - 1) < 0.03
+    assert r["kv_bytes_per_token"] == 890
+    assert 13e9 < r["categories"]["drafter"] + r["categories"]["vision"] < 15e9
+
+
+def test_released_engram_layout_and_cache_bytes():
+    text = ModelConfig.load(FULL).text
+    layout = EngramLayout.from_config(text)
+    assert [sum(p for per in layer for p in per) for layer in layout.primes] == [384006168, 384016682]
+    # Allocating the long-range caches of N tokens (no weights) gives 890 B per token.
+    n = 4096
+    cache = SequenceCache.empty(text)
+    for plan in text.layer_plans():
+        if plan.is_kv_source:
+            for rows in (cache.entries[plan.index], cache.keys[plan.index]):
+                rows.append_bytes(torch.zeros(n // plan.compress_ratio, rows.row_bytes, dtype=torch.uint8))
+    assert cache.long_range_bytes() == 890 * n
+
+
+def test_forward_command_writes_reference_logits(tmp_path, golden_dir, golden_prompts):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(golden_prompts[:2]))
+    out = tmp_path / "logits.safetensors"
+    assert main(["forward", str(golden_dir), "--ids", str(ids), "--out", str(out)]) == 0
+    logits = load_file(out)
+    expected = load_file(golden_dir / "logits.safetensors")
+    for i in range(2):
+        assert (logits[f"logits_{i}"] - expected[f"logits_p{i}"]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("content", ["not json", "[]", "[[1, 2], []]", "[[1, 99999]]", '{"a": 1}'])
+def test_forward_command_rejects_bad_ids(tmp_path, golden_dir, capsys, content):
+    ids = tmp_path / "ids.json"
+    ids.write_text(content)
+    out = tmp_path / "logits.safetensors"
+    assert main(["forward", str(golden_dir), "--ids", str(ids), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("v41 forward: error:") and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_params_command_reports_a_missing_config(tmp_path, capsys):
+    assert main(["params", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
