@@ -56,6 +56,14 @@ class DecoderInput:
     def tail(self, n: int) -> "DecoderInput":
         return DecoderInput(self.positions[-n:], self.streams[-n:], self.pre[-n:], self.token_ids[-n:])
 
+    def then(self, later: "DecoderInput") -> "DecoderInput":
+        """These tokens followed by ``later`` ones (e.g. a restored tail, then a new turn)."""
+        if int(self.positions[-1]) + 1 != int(later.positions[0]):
+            raise ValueError("decoder inputs are not contiguous")
+        return DecoderInput(*(torch.cat((a, b)) for a, b in (
+            (self.positions, later.positions), (self.streams, later.streams),
+            (self.pre, later.pre), (self.token_ids, later.token_ids))))
+
 
 @dataclass
 class _Segment:

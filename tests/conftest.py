@@ -6,6 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+
+# The models under test are tiny: one intra-op thread is faster than two, and it does not
+# collapse when the suite's Ray workers share the two cores (OpenMP threads spin).
+torch.set_num_threads(1)
 
 GOLDEN = Path(__file__).parent / "golden" / "A"
 

@@ -1,0 +1,165 @@
+"""The engine against the reference forward: exact paths agree, bounded paths run, batches
+equal singles, expired windows are rebuilt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model.config import ModelConfig
+from model.engine import Engine
+from model.engram import EngramLayout, NgramHasher
+from model.loader import load_tokenizer
+from model.transformer import Transformer
+
+TINY = "configs/tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny config (every mechanism) with random weights, and its hasher."""
+    config = ModelConfig.load(TINY).text
+    model = Transformer(config).init_weights(seed=3, std=0.08).eval()
+    hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(config), load_tokenizer(TINY))
+    return model, hasher
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference(model, hasher, tokens, memories: list | None = None):
+    """Reference logits [S, V]; with ``memories``, also capture its long-range state."""
+    from model import transformer
+
+    ids = torch.tensor([tokens])
+    original = transformer.SequenceMemory
+    if memories is not None:
+        transformer.SequenceMemory = lambda: memories.append(original()) or memories[-1]
+    try:
+        return model(ids, hasher.hash_ids(ids)[0])[0]
+    finally:
+        transformer.SequenceMemory = original
+
+
+def _greedy(engine, tokens, steps):
+    cache = engine.new_cache()
+    logits = [engine.replay(cache, engine.prefill(cache, tokens))]
+    out = []
+    for _ in range(steps):
+        out.append(int(logits[-1].argmax()))
+        logits.append(engine.decode([(cache, [out[-1]])])[0][-1])
+    return out, torch.stack(logits), cache
+
+
+def test_exact_engine_equals_reference_at_every_position(tiny):
+    model, hasher = tiny
+    engine = Engine(model, hasher, bounded_replay=False)
+    prompt = _tokens(150, 0)  # 150 > window 32 + top-k 16 entries: sparse everywhere
+    generated, logits, cache = _greedy(engine, prompt, 12)
+    memories = []
+    reference = _reference(model, hasher, prompt + generated, memories)
+    # Every long-range entry and indexer key is bit-identical to the reference's.
+    for source, rows in cache.entries.items():
+        assert torch.equal(rows.values, memories[0].entries[source][0])
+        assert torch.equal(cache.keys[source].values, memories[0].keys[source][0])
+    assert reference[len(prompt) - 1 :].argmax(-1).tolist() == generated + [int(logits[-1].argmax())]
+    # Logits agree to float noise; on random weights that noise flips a few FP8 window
+    # roundings (one FP8 step each), hence 1e-2 against logits of std ~1. The golden
+    # checkpoint, whose seeds avoid such ties, is held to 1e-4 below.
+    assert (logits - reference[len(prompt) - 1 :]).abs().max() < 1e-2
+    assert cache.length == len(prompt) + len(generated)
+
+
+def test_exact_engine_reproduces_golden_generations(golden_model, golden_hasher, golden_dir):
+    _, model = golden_model
+    engine = Engine(model, golden_hasher, bounded_replay=False)
+    steps = load_file(golden_dir / "generation_step_logits.safetensors")
+    for result in json.loads((golden_dir / "generation.json").read_text())["results"]:
+        prompt = result["full_sequence"][: result["prompt_len"]]
+        generated, logits, _ = _greedy(engine, prompt, 20)
+        assert generated == result["new_tokens"]
+        assert (logits[:20] - steps[f"gen_step_logits_p{result['prompt_index']}"]).abs().max() < 1e-4
+
+
+def test_prefill_in_turns_with_live_windows_is_exact(golden_model, golden_hasher, golden_prompts):
+    """A returning turn whose windows are still in RAM extends every cache exactly,
+    whatever the split (mid pooling group, mid candidate block)."""
+    _, model = golden_model
+    engine = Engine(model, golden_hasher, bounded_replay=False)
+    prompt = golden_prompts[2]
+    reference = _reference(model, golden_hasher, prompt)
+    for split in (1, 150, 201):
+        cache = engine.new_cache()
+        engine.replay(cache, engine.prefill(cache, prompt[:split]))
+        logits = engine.replay(cache, engine.prefill(cache, prompt[split:]))
+        assert (logits - reference[-1]).abs().max() < 1e-4, split
+
+
+def test_bounded_replay_is_exact_within_a_window_and_bounded_beyond(tiny):
+    model, hasher = tiny
+    exact_engine = Engine(model, hasher, bounded_replay=False)
+    bounded_engine = Engine(model, hasher, bounded_replay=True)
+    short = _tokens(30, 4)  # fits in the window (32): nothing to approximate
+    assert torch.equal(_greedy(bounded_engine, short, 4)[1], _greedy(exact_engine, short, 4)[1])
+    long = _tokens(200, 4)
+    cache = bounded_engine.new_cache()
+    inputs = bounded_engine.prefill(cache, long)
+    assert inputs.positions.tolist() == list(range(200))
+    bounded = bounded_engine.replay(cache, inputs)
+    decoder = range(model.config.decoder_start, model.config.num_hidden_layers)
+    assert all(cache.windows[i].start == 200 - 32 for i in decoder)  # replayed the last 32 only
+    exact = _greedy(exact_engine, long, 0)[1][0]
+    assert torch.isfinite(bounded).all() and (bounded - exact).abs().max() > 0
+
+
+def test_batch_of_four_equals_each_alone(tiny):
+    model, hasher = tiny
+    engine = Engine(model, hasher, bounded_replay=True)
+    prompts = [_tokens(n, 10 + n) for n in (40, 97, 150, 61)]
+    alone = [_greedy(engine, p, 10)[0] for p in prompts]
+    caches = [engine.new_cache() for _ in prompts]
+    last = [int(engine.replay(c, engine.prefill(c, p)).argmax()) for c, p in zip(caches, prompts)]
+    together = [[t] for t in last]
+    # Requests join and leave: the second joins late, the last leaves early.
+    for step in range(9):
+        active = [i for i in range(4) if not (i == 1 and step < 3) and not (i == 3 and step >= 6)]
+        for i, logits in zip(active, engine.decode([(caches[i], [together[i][-1]]) for i in active])):
+            together[i].append(int(logits[-1].argmax()))
+    for i in (0, 2):
+        assert together[i] == alone[i]
+    assert together[1] == alone[1][: len(together[1])]
+    assert together[3] == alone[3][: len(together[3])]
+
+
+def test_restore_rebuilds_expired_windows(tiny):
+    """Encoder SWA Bounded Replay: exact when the sequence fits in the window, and it
+    only ever reads the last window of tokens."""
+    model, hasher = tiny
+    engine = Engine(model, hasher, bounded_replay=False)
+    short = _tokens(30, 5)  # shorter than the window (32): the bounded replay is exact
+    cache = engine.new_cache()
+    engine.replay(cache, engine.prefill(cache, short))
+    entries_before = {k: v.data.clone() for k, v in cache.entries.items()}
+    for i in range(len(cache.windows)):
+        cache.windows[i] = None
+    cache.pending = {k: v[:0] for k, v in cache.pending.items()}
+    restored = engine.restore(cache, short)
+    follow = _tokens(9, 6)
+    logits = engine.replay(cache, restored.then(engine.prefill(cache, follow)))
+    assert (logits - _reference(model, hasher, short + follow)[-1]).abs().max() < 1e-2
+    for k, v in entries_before.items():  # long-range state was not rewritten
+        assert torch.equal(cache.entries[k].data[: v.shape[0]], v)
+    # A long conversation: only the last window is replayed.
+    long = _tokens(120, 7)
+    cache = engine.new_cache()
+    engine.replay(cache, engine.prefill(cache, long))
+    for i in range(len(cache.windows)):
+        cache.windows[i] = None
+    restored = engine.restore(cache, long)
+    assert restored.positions.tolist() == list(range(120 - 32, 120))
+    logits = engine.replay(cache, restored.then(engine.prefill(cache, follow)))
+    assert torch.isfinite(logits).all()
