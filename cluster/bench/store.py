@@ -7,7 +7,8 @@ it is built on, on the same bytes, the same number of objects, in the same run:
     ssd    TieredStore with SSD only (no RAM)  vs  open/read/close (open/write/close) of files
     redis  TieredStore with Redis bytes only   vs  redis-py pipelined GET/SET, same batch size
 
-Store and raw repetitions alternate and the median of each is reported, as MB/s and as
+Store GETs use ``get_many`` in batches of 64, the way the engine reads a prefix's
+chunks. Store and raw repetitions alternate and the median of each is reported, as MB/s and as
 the ratio store/raw. Store GETs include everything the store does (verification,
 retention bookkeeping, metrics); SSD and Redis PUTs include the write-behind hand-off
 and are timed until ``flush`` returns. The embedded redis-server is started and stopped
@@ -34,14 +35,14 @@ from storage.redis_server import RedisServer, RedisServerError
 from storage.store import StoreConfig, TieredStore
 
 _FP = Fingerprint.of("bench", {"purpose": "v41 bench store"})
-_REDIS_BATCH = 64  # the store's write-behind batch; raw pipelines use the same size
-_BYTES_PER_REP = 8 << 20
-_MAX_OBJECTS = 2000
+_BATCH = 64  # keys per get_many (how the engine reads a prefix) and per raw Redis pipeline
+_BYTES_PER_REP = 4 << 20
+_MAX_OBJECTS = 1000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="1,16,256", help="object sizes in KiB, comma-separated (default 1,16,256)")
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions of each side (default 7)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions of each side (default 5)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="a directory on the SSD to test (default: a temporary directory)")
 
@@ -108,8 +109,8 @@ def _ram_rows(objects: _Objects, size_kib: int, reps: int) -> list[Row]:
         keys = objects.keys(0)
 
         def store_get(rep: int) -> None:
-            for key in keys:
-                store.get(key)
+            for start in range(0, len(keys), _BATCH):
+                store.get_many(keys[start:start + _BATCH])
 
         def raw_get(rep: int) -> None:
             for value in payloads:
@@ -148,8 +149,8 @@ def _ssd_rows(objects: _Objects, size_kib: int, reps: int, root: Path) -> list[R
         raw_put(0)
 
         def store_get(rep: int) -> None:
-            for key in keys:
-                store.get(key)
+            for start in range(0, len(keys), _BATCH):
+                store.get_many(keys[start:start + _BATCH])
 
         def raw_get(rep: int) -> None:
             for path in paths:
@@ -166,7 +167,7 @@ def _redis_rows(objects: _Objects, size_kib: int, reps: int, url: str) -> list[R
     client.flushall()
     raw_keys = [f"raw:{i}" for i in range(objects.count)]
     payloads = objects.payloads
-    batches = range(0, objects.count, _REDIS_BATCH)
+    batches = range(0, objects.count, _BATCH)
     config = StoreConfig("bench", redis_url=url, redis_stores_bytes=True,
                          retention=RetentionPolicy(ram_capacity_bytes=0))
     with TieredStore(config, _FP) as store:
@@ -178,7 +179,7 @@ def _redis_rows(objects: _Objects, size_kib: int, reps: int, url: str) -> list[R
         def raw_put(rep: int) -> None:
             for start in batches:
                 pipe = client.pipeline(transaction=False)
-                for name, value in zip(raw_keys[start:start + _REDIS_BATCH], payloads[start:start + _REDIS_BATCH]):
+                for name, value in zip(raw_keys[start:start + _BATCH], payloads[start:start + _BATCH]):
                     pipe.set(name, value)
                 pipe.execute()
 
@@ -187,12 +188,12 @@ def _redis_rows(objects: _Objects, size_kib: int, reps: int, url: str) -> list[R
 
         def store_get(rep: int) -> None:
             for start in batches:
-                store.get_many(keys[start:start + _REDIS_BATCH])
+                store.get_many(keys[start:start + _BATCH])
 
         def raw_get(rep: int) -> None:
             for start in batches:
                 pipe = client.pipeline(transaction=False)
-                for name in raw_keys[start:start + _REDIS_BATCH]:
+                for name in raw_keys[start:start + _BATCH]:
                     pipe.get(name)
                 pipe.execute()
 

@@ -1,0 +1,145 @@
+"""Names of stored objects: hash chains over token ids, bound to a model fingerprint.
+
+A conversation is cut into chunks of ``chunk_tokens`` tokens. Chunk i's key is
+
+    blake2b-256(person="v41-chunk", fingerprint | parent key | media | token ids)
+
+where the parent key is chunk i-1's key (32 zero bytes for the first chunk) and token
+ids are little-endian int64. Two requests that share a prefix therefore share its chunk
+keys, and two models (or two configs of one model) never share a key because the
+fingerprint is hashed into every link. A window state (the tail of a conversation) is
+named the same way over the last full chunk's key and the tail tokens, under its own
+personalisation so that it can never collide with a chunk.
+
+Keys are digests, never user text: the SSD tier builds file names from ``ObjectKey.hex``
+and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+DIGEST_BYTES = 32
+FINGERPRINT_BYTES = 16
+_ROOT = bytes(DIGEST_BYTES)
+
+
+class Kind(enum.IntEnum):
+    """What an object holds; the value is the byte written in the envelope."""
+
+    CHUNK = 1  # long-range cache bytes of one chunk of tokens
+    WINDOW = 2  # window state of a conversation's tail
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Identifies a model and the config its cache bytes depend on (16 bytes)."""
+
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != FINGERPRINT_BYTES:
+            raise ValueError(f"a fingerprint is {FINGERPRINT_BYTES} bytes, got {len(self.digest)}")
+
+    @classmethod
+    def of(cls, name: str, config: Mapping[str, object]) -> Fingerprint:
+        """Fingerprint of a model name and its config (canonical JSON, key order ignored)."""
+        text = json.dumps({"name": name, "config": config}, sort_keys=True, separators=(",", ":"))
+        return cls(hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_BYTES).digest())
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+@dataclass(frozen=True)
+class ObjectKey:
+    """The name of one stored object: its kind and a 32-byte digest."""
+
+    kind: Kind
+    digest: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != DIGEST_BYTES:
+            raise ValueError(f"a key digest is {DIGEST_BYTES} bytes, got {len(self.digest)}")
+
+    def __hash__(self) -> int:
+        # The digest alone identifies the object (kinds hash under different
+        # personalisations); hashing the enum too would cost more on every look-up.
+        return hash(self.digest)
+
+    @property
+    def hex(self) -> str:
+        """64 lowercase hex characters: safe as a file name and a Redis key part."""
+        return self.digest.hex()
+
+    @classmethod
+    def from_hex(cls, kind: Kind, text: str) -> ObjectKey:
+        """Parse ``hex``; raises ValueError for anything that is not 64 hex digits."""
+        if len(text) != 2 * DIGEST_BYTES:
+            raise ValueError("not a key digest")
+        return cls(kind, bytes.fromhex(text))
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """Content that token ids do not capture (an image), placed at a token position.
+
+    An image is a run of placeholder ids, so its pixels must enter the key: the chunk
+    holding ``position`` hashes ``digest`` (e.g. a hash of the image bytes) into its link.
+    """
+
+    position: int
+    digest: bytes
+
+
+def _as_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    ids = np.asarray(token_ids, dtype="<i8")
+    if ids.ndim != 1:
+        raise ValueError("token ids must be one-dimensional")
+    return ids
+
+
+def _link(person: bytes, fingerprint: Fingerprint, parent: bytes, ids: np.ndarray,
+          media: Sequence[MediaSpan], start: int) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=person)
+    h.update(fingerprint.digest)
+    h.update(parent)
+    h.update(len(ids).to_bytes(8, "little"))
+    for span in media:
+        if start <= span.position < start + len(ids):
+            h.update((span.position - start).to_bytes(8, "little"))
+            h.update(len(span.digest).to_bytes(8, "little"))
+            h.update(span.digest)
+    h.update(ids.tobytes())
+    return h.digest()
+
+
+def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
+               media: Sequence[MediaSpan] = ()) -> list[ObjectKey]:
+    """Keys of every full chunk of ``token_ids``, in order; a partial tail has no key."""
+    if chunk_tokens <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    ids = _as_ids(token_ids)
+    keys: list[ObjectKey] = []
+    parent = _ROOT
+    for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
+        parent = _link(b"v41-chunk", fingerprint, parent, ids[start:start + chunk_tokens], media, start)
+        keys.append(ObjectKey(Kind.CHUNK, parent))
+    return keys
+
+
+def window_key(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
+               media: Sequence[MediaSpan] = ()) -> ObjectKey:
+    """Key of the window state after all of ``token_ids`` (a state depends on the whole prefix)."""
+    ids = _as_ids(token_ids)
+    chunks = chunk_keys(fingerprint, ids, chunk_tokens, media)
+    parent = chunks[-1].digest if chunks else _ROOT
+    start = len(chunks) * chunk_tokens
+    return ObjectKey(Kind.WINDOW, _link(b"v41-window", fingerprint, parent, ids[start:], media, start))

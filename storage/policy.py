@@ -1,0 +1,78 @@
+"""Retention policy: what lives where, and for how long. Every number is config.
+
+V4.1 keeps a conversation's long-range chunks for 72 hours after their last use, in
+host RAM while it is hot and on the node's SSD after; window states (the last 128
+tokens of every layer) live only in host RAM for minutes. ``persist_window_states``
+turns on V4-style storage, where window states go to SSD too, for experiments.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+
+from storage.keys import Kind
+
+
+class TierName(str, enum.Enum):
+    """A storage tier; the value appears in metrics and in the Redis location index."""
+
+    RAM = "ram"
+    SSD = "ssd"
+    REDIS = "redis"
+
+
+class FsyncPolicy(str, enum.Enum):
+    """How hard an SSD write insists on durability before it counts as written.
+
+    ``never`` is the default: this is a cache, and a file torn by a power cut fails
+    its checksum and reads as a miss. ``file`` fsyncs the data before the rename;
+    ``file+dir`` also fsyncs the directory so the rename itself survives a crash.
+    """
+
+    NEVER = "never"
+    FILE = "file"
+    FILE_AND_DIR = "file+dir"
+
+
+def default_ram_capacity() -> int:
+    """10% of this machine's physical memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How much each tier holds and how long objects stay after their last use."""
+
+    ram_capacity_bytes: int = field(default_factory=default_ram_capacity)
+    chunk_retention_hours: float = 72.0
+    window_ttl_minutes: float = 30.0
+    persist_window_states: bool = False
+    ssd_capacity_bytes: int | None = None  # None: until the disk is full
+    fsync: FsyncPolicy = FsyncPolicy.NEVER
+    # A read refreshes the on-disk (and Redis) last-use time at most this often; after
+    # a restart an object's age is therefore over-estimated by at most this much.
+    touch_interval_s: float = 60.0
+    gc_interval_s: float = 600.0
+    # Temp files of a live writer are younger than this; older ones are debris.
+    temp_grace_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.ram_capacity_bytes < 0:
+            raise ValueError("ram_capacity_bytes must be >= 0")
+        if self.chunk_retention_hours <= 0 or self.window_ttl_minutes <= 0:
+            raise ValueError("retention times must be positive")
+
+    def retention_s(self, kind: Kind, tier: TierName) -> float | None:
+        """Seconds an object of ``kind`` stays in ``tier`` after its last use; None: never stored there."""
+        if kind is Kind.CHUNK:
+            return self.chunk_retention_hours * 3600.0
+        if tier is TierName.RAM:
+            return self.window_ttl_minutes * 60.0
+        return self.chunk_retention_hours * 3600.0 if self.persist_window_states else None
+
+    @property
+    def longest_retention_s(self) -> float:
+        """The longest any object is kept anywhere (the Redis index's key TTL)."""
+        return max(self.chunk_retention_hours * 3600.0, self.window_ttl_minutes * 60.0)

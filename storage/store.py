@@ -1,0 +1,293 @@
+"""TieredStore: the one object the prefill and decoder pools read and write cache bytes through.
+
+    put   -> host RAM now; SSD (and Redis, if it stores bytes) on the write-behind thread
+    get   -> RAM, then queued writes, then SSD, then Redis; a lower hit is promoted to RAM
+    lookup_prefix -> the longest run of stored chunks, and where each one lives
+
+Every tier returns verified bytes or a miss, so the store never returns wrong bytes and
+never raises for storage trouble: a dead Redis, a full disk, a torn file all degrade to
+misses (and counters). Retention runs on an injectable clock; GC runs on a background
+thread every ``gc_interval_s`` and on demand.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from storage.codec import Codec
+from storage.index import SHARED_NODE, IndexPublisher, Location, RedisIndex
+from storage.keys import Fingerprint, Kind, ObjectKey
+from storage.metrics import StoreStats, TierCounters
+from storage.policy import RetentionPolicy, TierName
+from storage.redis_link import RedisLink
+from storage.tiers.ram import RamTier
+from storage.tiers.redis import RedisTier
+from storage.tiers.ssd import SsdTier, WriteFile, write_all
+from storage.write_behind import WriteBehind, WriteJob
+
+_LOOKUP_BATCH = 256  # keys per Redis round trip in lookup_prefix
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where a node's store keeps things. ``ssd_dir``/``redis_url`` None turn that tier off."""
+
+    node_id: str
+    ssd_dir: Path | None = None
+    redis_url: str | None = None  # redis://:password@host:port/db, or rediss:// for TLS
+    redis_stores_bytes: bool = False  # also keep object bytes in Redis (small deployments)
+    redis_namespace: str = "v41"
+    redis_timeout_s: float = 0.5
+    redis_retry_s: float = 1.0  # after a failure, skip Redis this long before trying again
+    index_heartbeat_s: float = 2.0  # how often the index publisher checks in with Redis
+    index_pending_max: int = 100_000  # queued index updates kept while Redis is away
+    write_queue_bytes: int = 256 << 20
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+
+    def __post_init__(self) -> None:
+        if not self.node_id or "|" in self.node_id or self.node_id == SHARED_NODE:
+            raise ValueError(f"invalid node id {self.node_id!r}")
+
+
+@dataclass(frozen=True)
+class ChunkHit:
+    """A stored chunk of a prefix and every known copy of it (this node's first)."""
+
+    key: ObjectKey
+    locations: tuple[Location, ...]
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest stored prefix of a key sequence, chunk by chunk."""
+
+    hits: tuple[ChunkHit, ...]
+
+    @property
+    def chunks(self) -> int:
+        return len(self.hits)
+
+
+class TieredStore:
+    """Host RAM + SSD + Redis for one node and one model fingerprint. Thread-safe."""
+
+    def __init__(self, config: StoreConfig, fingerprint: Fingerprint, *,
+                 clock: Callable[[], float] = time.time, ssd_write: WriteFile = write_all) -> None:
+        self.config = config
+        self._policy = config.retention
+        # Seconds per tier and kind (None: that kind is never stored in that tier).
+        self._retention = {tier: {kind: self._policy.retention_s(kind, tier) for kind in Kind} for tier in TierName}
+        self._clock = clock
+        self._codec = Codec(fingerprint)
+        self._counters = {tier: TierCounters() for tier in TierName}
+        self._gc_runs = 0
+        self._here = {tier: Location(config.node_id, tier) for tier in (TierName.RAM, TierName.SSD)}
+        self._shared = Location(SHARED_NODE, TierName.REDIS)
+
+        self._link: RedisLink | None = None
+        self._index: RedisIndex | None = None
+        self._publisher: IndexPublisher | None = None
+        self._redis: RedisTier | None = None
+        if config.redis_url is not None:
+            self._link = RedisLink(config.redis_url, namespace=config.redis_namespace,
+                                   timeout_s=config.redis_timeout_s, retry_s=config.redis_retry_s)
+            self._index = RedisIndex(self._link, self._policy.longest_retention_s)
+            if config.redis_stores_bytes:
+                self._redis = RedisTier(self._link, self._codec, self._policy, clock,
+                                        self._counters[TierName.REDIS], self._dropped(self._shared))
+
+        self._ram = RamTier(self._policy, clock, self._counters[TierName.RAM], self._dropped(self._here[TierName.RAM]))
+        self._ssd = None
+        if config.ssd_dir is not None:
+            self._ssd = SsdTier(config.ssd_dir, self._codec, self._policy, clock, self._counters[TierName.SSD],
+                                self._dropped(self._here[TierName.SSD]), ssd_write)
+        if self._index is not None:
+            self._publisher = IndexPublisher(
+                self._index, clock, self._local_entries, max_pending=config.index_pending_max,
+                touch_interval_s=self._policy.touch_interval_s, heartbeat_s=config.index_heartbeat_s)
+        self._writer = WriteBehind(self._write_lower, max_bytes=config.write_queue_bytes)
+        self._closed = threading.Event()
+        self._gc_thread = threading.Thread(target=self._gc_loop, name="v41-store-gc", daemon=True)
+        self._gc_thread.start()
+
+    # -- index bookkeeping -------------------------------------------------------------
+
+    def _dropped(self, location: Location) -> Callable[[ObjectKey], None]:
+        def on_drop(key: ObjectKey) -> None:
+            if self._publisher is not None:
+                self._publisher.removed(key, location)
+        return on_drop
+
+    def _publish(self, key: ObjectKey, location: Location) -> None:
+        """Tell the index that a copy was stored at ``location``."""
+        if self._publisher is not None:
+            retention = self._retention[location.tier][key.kind]
+            self._publisher.added(key, location, self._clock() + retention)
+
+    def _local_entries(self) -> Iterator[tuple[ObjectKey, Location, float]]:
+        for tier in (self._ram, self._ssd):
+            if tier is not None:
+                for key, expires in tier.entries():
+                    yield key, self._here[tier.name], expires
+
+    # -- writes ------------------------------------------------------------------------
+
+    def put(self, key: ObjectKey, payload: bytes | bytearray | memoryview) -> None:
+        """Store ``payload`` under ``key``. Returns at once; lower tiers are written behind.
+
+        Never raises for storage trouble. Window states go to RAM only unless the
+        policy persists them. The bytes are copied only if they are not ``bytes``.
+        """
+        data = payload if isinstance(payload, bytes) else bytes(payload)
+        if self._ram.put(key, data):
+            self._publish(key, self._here[TierName.RAM])
+        self._write_behind(key, data, to_redis=True)
+
+    def _write_behind(self, key: ObjectKey, data: bytes, *, to_redis: bool) -> None:
+        to_ssd = self._ssd is not None and self._retention[TierName.SSD][key.kind] is not None
+        to_redis = to_redis and self._redis is not None and self._retention[TierName.REDIS][key.kind] is not None
+        if (to_ssd or to_redis) and not self._writer.submit(WriteJob(key, data, to_ssd, to_redis)):
+            self._counters[TierName.SSD if to_ssd else TierName.REDIS].add(write_errors=1)
+
+    def _write_lower(self, jobs: Sequence[WriteJob]) -> None:
+        """The write-behind sink: files one by one, Redis in one pipeline."""
+        for job in jobs:
+            if job.to_ssd and self._ssd.put(job.key, job.payload):
+                self._publish(job.key, self._here[TierName.SSD])
+        shared = [(job.key, job.payload) for job in jobs if job.to_redis]
+        if shared:
+            for (key, _), stored in zip(shared, self._redis.put_many(shared)):
+                if stored:
+                    self._publish(key, self._shared)
+
+    def remove(self, key: ObjectKey) -> None:
+        """Delete ``key`` from every tier (a queued write may still land: remove after ``flush``)."""
+        for tier in (self._ram, self._ssd, self._redis):
+            if tier is not None:
+                tier.remove(key)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def get(self, key: ObjectKey) -> bytes | None:
+        """The exact bytes stored under ``key``, or None. Never raises for storage trouble."""
+        return self.get_many((key,))[0]
+
+    def get_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+        """``get`` for each key, in order: the way to read a prefix's chunks. Each tier
+        is asked once for all the keys still missing (RAM under one lock, Redis in one
+        round trip)."""
+        results = self._ram.get_many(keys)
+        missing = [i for i, payload in enumerate(results) if payload is None]
+        if self._publisher is not None:
+            self._published_use(TierName.RAM, [key for key, payload in zip(keys, results) if payload is not None])
+        for i in missing:  # written but not yet on the lower tiers
+            results[i] = self._writer.pending(keys[i])
+        for tier in (self._ssd, self._redis):
+            missing = [i for i in missing if results[i] is None]
+            if tier is None or not missing:
+                continue
+            found = tier.get_many([keys[i] for i in missing])
+            hits = [(i, payload) for i, payload in zip(missing, found) if payload is not None]
+            self._published_use(tier.name, [keys[i] for i, _ in hits])
+            for i, payload in hits:
+                results[i] = payload
+                self._promote(keys[i], payload)
+                if tier is self._redis:
+                    self._write_behind(keys[i], payload, to_redis=False)
+        return results
+
+    def _published_use(self, tier: TierName, keys: Sequence[ObjectKey]) -> None:
+        """Tell the index that copies in ``tier`` were read (their retention restarted)."""
+        if self._publisher is None or not keys:
+            return
+        now = self._clock()
+        retention = self._retention[tier]
+        location = self._shared if tier is TierName.REDIS else self._here[tier]
+        self._publisher.used([(key, now + retention[key.kind]) for key in keys], location)
+
+    def _promote(self, key: ObjectKey, payload: bytes) -> None:
+        if self._ram.put(key, payload):
+            self._publish(key, self._here[TierName.RAM])
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey]) -> PrefixMatch:
+        """The longest prefix of ``keys`` stored anywhere, with every known copy of each chunk.
+
+        This node's copies come from its own tiers (exact); other nodes' come from the
+        Redis index (a routing hint: a copy may have gone since). With Redis away the
+        answer covers this node only. Reads no payload and restarts no retention clock.
+        """
+        hits: list[ChunkHit] = []
+        now = self._clock()
+        for start in range(0, len(keys), _LOOKUP_BATCH):
+            batch = keys[start:start + _LOOKUP_BATCH]
+            remote = self._index.locate(batch, now) if self._index is not None else None
+            for i, key in enumerate(batch):
+                locations = [self._here[TierName.RAM]] if (
+                    self._ram.contains(key) or self._writer.pending(key) is not None) else []
+                if self._ssd is not None and self._ssd.contains(key):
+                    locations.append(self._here[TierName.SSD])
+                if remote is not None:
+                    locations += [loc for loc in remote[i] if loc.node_id != self.config.node_id]
+                if not locations:
+                    return PrefixMatch(tuple(hits))
+                hits.append(ChunkHit(key, tuple(locations)))
+        return PrefixMatch(tuple(hits))
+
+    # -- maintenance -------------------------------------------------------------------
+
+    def gc(self) -> None:
+        """Remove every object whose retention has run out, from every tier, and write debris."""
+        for tier in (self._ram, self._ssd, self._redis):
+            if tier is not None:
+                tier.gc()
+        self._gc_runs += 1
+
+    def _gc_loop(self) -> None:
+        while not self._closed.wait(self._policy.gc_interval_s):
+            self.gc()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued writes, then send queued index updates; True if both are done."""
+        written = self._writer.flush(timeout)
+        published = self._publisher.flush() if self._publisher is not None else True
+        return written and published
+
+    def stats(self) -> StoreStats:
+        """A snapshot of every counter."""
+        objects, stored = {}, {}
+        for tier in (self._ram, self._ssd):
+            if tier is not None:
+                objects[tier.name.value], stored[tier.name.value] = tier.usage()
+        return StoreStats(
+            tiers={tier.value: counters.snapshot() for tier, counters in self._counters.items()},
+            objects=objects,
+            bytes_stored=stored,
+            gc_runs=self._gc_runs,
+            index_pending=self._publisher.pending if self._publisher is not None else 0,
+            index_resyncs=self._publisher.resyncs if self._publisher is not None else 0,
+            redis_errors=self._link.errors if self._link is not None else 0,
+            redis_up=self._link.up if self._link is not None else False,
+        )
+
+    def close(self) -> None:
+        """Finish queued writes and index updates (if Redis is up), stop threads, release tiers."""
+        self._closed.set()
+        self._gc_thread.join()
+        self._writer.close()
+        if self._publisher is not None:
+            self._publisher.close()
+        for tier in (self._ram, self._ssd, self._redis):
+            if tier is not None:
+                tier.close()
+        if self._link is not None:
+            self._link.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

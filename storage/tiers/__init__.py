@@ -1,0 +1,1 @@
+"""Storage tiers, each behind the small ``Tier`` interface of ``base.py``."""

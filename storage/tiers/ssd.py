@@ -1,0 +1,347 @@
+"""Local SSD tier: one file per object, written atomically, kept 72 h after last use.
+
+Layout: ``ROOT/objects/ab/cd/<64 hex digits>.<kind>`` where ``abcd`` are the first hex
+digits of the key (a two-level fan-out keeps directories small). Names come only from
+key digests, never from user input.
+
+Writes go to a temp file in the same directory (``.<hex>.<pid>.<n>.tmp``), are fsynced
+as the ``FsyncPolicy`` says, get their last-use time as mtime, and are renamed over the
+final name, so a reader sees the old file, the new file or none, never a torn one. A
+writer killed before the rename leaves only a temp file, which GC removes once its
+process is gone (or after ``temp_grace_s``).
+
+Last use is the file's mtime, set from the store's clock. The in-memory index holds
+the exact time; a read rewrites the mtime only when it is ``touch_interval_s`` stale,
+so reads stay one open and two preads. After a restart the index is rebuilt from a
+scan of the files (name, size, mtime); headers and checksums are verified on each read.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from storage.codec import HEADER_BYTES, Codec, CorruptObject
+from storage.keys import Kind, ObjectKey
+from storage.metrics import TierCounters
+from storage.policy import FsyncPolicy, RetentionPolicy, TierName
+from storage.tiers.base import LocalTier, OnDrop
+
+WriteFile = Callable[[int, Sequence[bytes]], None]
+
+_SUFFIX = {Kind.CHUNK: ".chunk", Kind.WINDOW: ".window"}
+_KIND_OF_SUFFIX = {suffix: kind for kind, suffix in _SUFFIX.items()}
+_TEMP_SUFFIX = ".tmp"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_ONE_READ_BYTES = 32 << 10  # up to this file size a read is one pread plus a small slice
+
+
+def write_all(fd: int, buffers: Sequence[bytes]) -> None:
+    """Write every buffer to ``fd`` in order (the default writer; tests wrap it to inject faults)."""
+    for buffer in buffers:
+        view = memoryview(buffer)
+        while view:
+            view = view[os.write(fd, view):]
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Entry:
+    __slots__ = ("kind", "size", "last_used", "stamped")
+
+    def __init__(self, kind: Kind, size: int, last_used: float, stamped: float) -> None:
+        self.kind = kind
+        self.size = size  # file bytes, header included
+        self.last_used = last_used  # exact, from the store's clock
+        self.stamped = stamped  # the file's mtime
+
+
+class SsdTier(LocalTier):
+    """Files under one directory, owned by one store process.
+
+    Another process may share the directory (it sees misses for files it has not
+    indexed, never wrong bytes), but only the owner's GC and capacity limits apply.
+    """
+
+    name = TierName.SSD
+
+    def __init__(self, root: Path, codec: Codec, policy: RetentionPolicy, clock: Callable[[], float],
+                 counters: TierCounters, on_drop: OnDrop, write_file: WriteFile = write_all) -> None:
+        self._dir = Path(root) / "objects"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._prefix = str(self._dir)  # paths are built as strings: pathlib costs more than a read
+        self._codec = codec
+        self._policy = policy
+        self._retention = {kind: policy.retention_s(kind, TierName.SSD) for kind in Kind}  # None: not kept here
+        self._clock = clock
+        self._counters = counters
+        self._on_drop = on_drop
+        self._write_file = write_file
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # digest -> entry, least recently used first
+        self._bytes = 0
+        self._made_dirs: set[str] = set()
+        self._temp_ids = itertools.count()
+        self._scan()
+
+    # -- paths and index ---------------------------------------------------------------
+
+    def _path(self, hex_digest: str, kind: Kind) -> str:
+        return f"{self._prefix}/{hex_digest[:2]}/{hex_digest[2:4]}/{hex_digest}{_SUFFIX[kind]}"
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files; delete those whose retention ran out."""
+        now = self._clock()
+        found: list[tuple[float, bytes, _Entry]] = []
+        for path in self._walk():
+            name = os.path.basename(path)
+            if name.startswith("."):
+                continue  # temp files: GC decides
+            stem, dot, suffix = name.partition(".")
+            kind = _KIND_OF_SUFFIX.get(dot + suffix)
+            try:
+                key = ObjectKey.from_hex(kind, stem) if kind is not None else None
+                stat = os.stat(path)
+            except (ValueError, OSError):
+                continue  # not ours, or gone meanwhile
+            if key is None or path != self._path(key.hex, kind):
+                continue
+            retention = self._retention[kind]
+            if retention is None or now - stat.st_mtime > retention:
+                self._unlink(path)
+                self._counters.add(expirations=1)
+                continue
+            found.append((stat.st_mtime, key.digest, _Entry(kind, stat.st_size, stat.st_mtime, stat.st_mtime)))
+        found.sort(key=lambda item: item[0])
+        with self._lock:
+            for _, digest, entry in found:
+                self._index[digest] = entry
+                self._bytes += entry.size
+
+    def _walk(self) -> list[str]:
+        files = []
+        for first in os.scandir(self._dir):
+            if not first.is_dir(follow_symlinks=False):
+                continue
+            for second in os.scandir(first.path):
+                if second.is_dir(follow_symlinks=False):
+                    files.extend(f.path for f in os.scandir(second.path) if f.is_file(follow_symlinks=False))
+        return files
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def _drop(self, key: ObjectKey, entry: _Entry, reason: str | None) -> None:
+        """Forget ``entry`` (if still current) and delete its file; ``reason`` names the counter."""
+        with self._lock:
+            if self._index.get(key.digest) is entry:
+                del self._index[key.digest]
+                self._bytes -= entry.size
+        self._unlink(self._path(key.hex, entry.kind))
+        if reason:
+            self._counters.add(**{reason: 1})
+        self._on_drop(key)
+
+    # -- Tier --------------------------------------------------------------------------
+
+    def contains(self, key: ObjectKey) -> bool:
+        with self._lock:
+            entry = self._index.get(key.digest)
+        return (entry is not None and entry.kind is key.kind
+                and self._clock() - entry.last_used <= self._retention[entry.kind])
+
+    def get(self, key: ObjectKey) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+        now = self._clock()
+        results = [self._read(key, now) for key in keys]
+        hits = sum(payload is not None for payload in results)
+        self._counters.add(hits=hits, misses=len(keys) - hits,
+                           bytes_read=sum(len(payload) for payload in results if payload is not None))
+        return results
+
+    def _read(self, key: ObjectKey, now: float) -> bytes | None:
+        # Claim the use before the I/O (one lock round): a failed read drops the entry anyway.
+        with self._lock:
+            entry = self._index.get(key.digest)
+            if entry is None or entry.kind is not key.kind:
+                return None
+            expired = now - entry.last_used > self._retention[entry.kind]
+            if not expired:
+                entry.last_used = now
+                self._index.move_to_end(key.digest)
+        if expired:
+            self._drop(key, entry, "expirations")
+            return None
+        path = self._path(key.hex, entry.kind)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._drop(key, entry, None)  # deleted behind our back: heal the index
+            return None
+        try:
+            # Read one byte past the expected end: getting it means trailing junk.
+            if entry.size <= _ONE_READ_BYTES:  # one syscall; slicing off the header is cheap
+                data = os.pread(fd, entry.size + 1, 0)
+                header = self._codec.check_header(key, data[:HEADER_BYTES])
+                payload = data[HEADER_BYTES:]
+            else:  # two syscalls, so that the payload is never copied again
+                header = self._codec.check_header(key, os.pread(fd, HEADER_BYTES, 0))
+                payload = os.pread(fd, header.payload_bytes + 1, HEADER_BYTES)
+            self._codec.check_payload(header, payload)
+        except (CorruptObject, OSError):
+            self._drop(key, entry, "corrupt")
+            return None
+        finally:
+            os.close(fd)
+        if now - entry.stamped >= self._policy.touch_interval_s:
+            try:
+                os.utime(path, (now, now))
+                entry.stamped = now
+            except OSError:
+                pass  # a later read retries; the in-memory time is still exact
+        return payload
+
+    def put(self, key: ObjectKey, payload: bytes) -> bool:
+        if self._retention[key.kind] is None:
+            return False
+        now = self._clock()
+        with self._lock:
+            entry = self._index.get(key.digest)
+            if entry is not None and entry.kind is key.kind and now - entry.last_used <= self._retention[key.kind]:
+                # Same key, same tokens, same model: the bytes are already here.
+                entry.last_used = now
+                self._index.move_to_end(key.digest)
+                return True
+        header = self._codec.header(key, payload)
+        size = HEADER_BYTES + len(payload)
+        capacity = self._policy.ssd_capacity_bytes
+        if capacity is not None:
+            if size > capacity:
+                self._counters.add(write_errors=1)
+                return False
+            self._evict(self._bytes + size - capacity)
+        path = self._path(key.hex, key.kind)
+        for _ in range(4):
+            try:
+                self._write_atomic(path, header, payload, now)
+                break
+            except OSError as error:
+                if error.errno in _DISK_FULL and self._evict(max(size, self._bytes // 100)):
+                    continue  # made room: try again
+                self._counters.add(write_errors=1)
+                return False
+        else:
+            self._counters.add(write_errors=1)
+            return False
+        with self._lock:
+            old = self._index.pop(key.digest, None)
+            self._bytes += size - (old.size if old else 0)
+            self._index[key.digest] = _Entry(key.kind, size, now, now)
+        self._counters.add(puts=1, bytes_written=size)
+        return True
+
+    def _write_atomic(self, path: str, header: bytes, payload: bytes, now: float) -> None:
+        directory, _, name = path.rpartition("/")
+        if directory not in self._made_dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._made_dirs.add(directory)
+        temp = f"{directory}/.{name.partition('.')[0]}.{os.getpid()}.{next(self._temp_ids)}{_TEMP_SUFFIX}"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                self._write_file(fd, (header, payload))
+                if self._policy.fsync is not FsyncPolicy.NEVER:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.utime(temp, (now, now))
+            os.replace(temp, path)
+        except BaseException:
+            self._unlink(temp)
+            raise
+        if self._policy.fsync is FsyncPolicy.FILE_AND_DIR:
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    def _evict(self, need: int) -> bool:
+        """Delete least recently used files until ``need`` bytes are freed; True if any were."""
+        freed = 0
+        while freed < need:
+            with self._lock:
+                if not self._index:
+                    break
+                digest, entry = next(iter(self._index.items()))
+            freed += entry.size
+            self._drop(ObjectKey(entry.kind, digest), entry, "evictions")
+        return freed > 0
+
+    def remove(self, key: ObjectKey) -> bool:
+        with self._lock:
+            entry = self._index.get(key.digest)
+        if entry is None or entry.kind is not key.kind:
+            return False
+        self._drop(key, entry, None)
+        return True
+
+    def gc(self) -> None:
+        now = self._clock()
+        with self._lock:
+            expired = [(digest, entry) for digest, entry in self._index.items()
+                       if now - entry.last_used > self._retention[entry.kind]]
+        for digest, entry in expired:
+            self._drop(ObjectKey(entry.kind, digest), entry, "expirations")
+        self._remove_temp_files()
+
+    def _remove_temp_files(self) -> None:
+        # Temp files are stamped by the OS, so their age is wall-clock time, not the store's clock.
+        wall = time.time()
+        for path in self._walk():
+            name = os.path.basename(path)
+            if not (name.startswith(".") and name.endswith(_TEMP_SUFFIX)):
+                continue
+            parts = name.split(".")  # "", hex, pid, n, "tmp"
+            pid = int(parts[2]) if len(parts) == 5 and parts[2].isdigit() else None
+            try:
+                age = wall - os.stat(path).st_mtime
+            except OSError:
+                continue
+            writer_gone = pid is None or (pid != os.getpid() and not _process_alive(pid))
+            if writer_gone or age > self._policy.temp_grace_s:
+                self._unlink(path)
+
+    def entries(self) -> list[tuple[ObjectKey, float]]:
+        with self._lock:
+            return [(ObjectKey(entry.kind, digest), entry.last_used + self._retention[entry.kind])
+                    for digest, entry in self._index.items()]
+
+    def usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._index), self._bytes
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.clear()
+            self._bytes = 0

@@ -1,0 +1,155 @@
+"""Redis: the cluster-wide location index, shared object bytes, passwords, and Redis dying."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from storage.index import Location
+from storage.keys import Fingerprint, chunk_keys
+from storage.policy import RetentionPolicy, TierName
+from storage.redis_server import RedisServer
+from storage.store import StoreConfig, TieredStore
+from tests.redis_server import redis_server  # noqa: F401  (fixture)
+
+FP = Fingerprint.of("tiny", {"layers": 4})
+KEYS = chunk_keys(FP, range(64 * 40), 64)
+
+
+def node(node_id: str, url: str, root: Path | None, *, ram: int = 1 << 20, redis_bytes: bool = False,
+         namespace: str = "v41") -> TieredStore:
+    config = StoreConfig(node_id, ssd_dir=root, redis_url=url, redis_stores_bytes=redis_bytes,
+                         redis_namespace=namespace, redis_retry_s=0.05, index_heartbeat_s=0.05,
+                         redis_timeout_s=0.5, retention=RetentionPolicy(ram_capacity_bytes=ram))
+    return TieredStore(config, FP)
+
+
+def test_the_index_tells_every_node_where_chunks_live(tmp_path: Path, redis_server: RedisServer) -> None:
+    with node("a", redis_server.url, tmp_path / "a") as a, node("b", redis_server.url, tmp_path / "b") as b:
+        for key in KEYS[:5]:
+            a.put(key, b"x" * 100)
+        assert a.flush(10)
+        match = b.lookup_prefix(KEYS)
+        assert match.chunks == 5
+        assert match.hits[0].locations == (Location("a", TierName.RAM), Location("a", TierName.SSD))
+        assert b.get(KEYS[0]) is None  # b has no copy and Redis holds no bytes
+        match = a.lookup_prefix(KEYS)
+        assert match.chunks == 5 and match.hits[4].locations[0] == Location("a", TierName.RAM)
+
+
+def test_evictions_leave_the_index(tmp_path: Path, redis_server: RedisServer) -> None:
+    with node("a", redis_server.url, None, ram=250) as a, node("b", redis_server.url, None) as b:
+        a.put(KEYS[0], b"x" * 200)
+        a.put(KEYS[1], b"y" * 200)  # evicts KEYS[0] from a's RAM
+        assert a.flush(10)
+        assert b.lookup_prefix(KEYS[:1]).chunks == 0
+        assert b.lookup_prefix(KEYS[1:2]).hits[0].locations == (Location("a", TierName.RAM),)
+
+
+def test_shared_bytes_serve_other_nodes(tmp_path: Path, redis_server: RedisServer) -> None:
+    data = [os.urandom(5000) for _ in range(10)]
+    with node("a", redis_server.url, None, redis_bytes=True) as a, \
+            node("b", redis_server.url, tmp_path / "b", redis_bytes=True) as b:
+        for key, value in zip(KEYS, data):
+            a.put(key, value)
+        assert a.flush(10)
+        assert b.get_many(KEYS[:10]) == data
+        assert b.stats().tiers["redis"].hits == 10
+        assert b.flush(10)  # promoted: now in b's RAM and on b's SSD
+        assert b.lookup_prefix(KEYS[:1]).hits[0].locations[:2] == \
+            (Location("b", TierName.RAM), Location("b", TierName.SSD))
+
+
+def test_corrupt_redis_objects_are_misses_and_removed(redis_server: RedisServer) -> None:
+    with node("a", redis_server.url, None, ram=0, redis_bytes=True) as a:
+        a.put(KEYS[0], b"payload" * 100)
+        a.put(KEYS[1], b"payload" * 100)
+        assert a.flush(10)
+        client = redis.Redis.from_url(redis_server.url)
+        client.hset(f"v41:chunk:{KEYS[0].hex}", "d", b"paYload" + b"payload" * 99)
+        client.hset(f"v41:chunk:{KEYS[1].hex}", "t", b"not a time")
+        assert a.get_many(KEYS[:2]) == [None, None]
+        assert a.stats().tiers["redis"].corrupt == 2
+        assert not client.exists(f"v41:chunk:{KEYS[0].hex}", f"v41:chunk:{KEYS[1].hex}")
+
+
+def test_a_password_in_the_url_is_used(tmp_path: Path) -> None:
+    with RedisServer(password="s3cret", data_dir=tmp_path) as server:
+        assert ":s3cret@" in server.url
+        with node("a", server.url, None, redis_bytes=True, ram=0) as a:
+            a.put(KEYS[0], b"secret bytes")
+            assert a.flush(10)
+            assert a.get(KEYS[0]) == b"secret bytes"
+        wrong = server.url.replace("s3cret", "wrong")
+        with node("b", wrong, None, redis_bytes=True) as b:  # refused: serves locally, never raises
+            b.put(KEYS[1], b"local")
+            assert b.get(KEYS[1]) == b"local"
+            assert b.get(KEYS[0]) is None
+            assert not b.flush(1) and b.stats().redis_errors > 0
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_redis_killed_mid_run_then_restarted(tmp_path: Path, redis_server: RedisServer) -> None:
+    data = {key: os.urandom(2000) for key in KEYS[:20]}
+    with node("a", redis_server.url, tmp_path / "a", redis_bytes=True) as a:
+        for key in KEYS[:10]:
+            a.put(key, data[key])
+        assert a.flush(10)
+
+        redis_server.kill()
+        started = time.monotonic()
+        for key in KEYS[10:20]:
+            a.put(key, data[key])  # RAM now, SSD behind; Redis writes dropped, index queued
+        assert all(a.get(key) == data[key] for key in KEYS[:20])
+        assert a.lookup_prefix(KEYS).chunks == 20  # from its own tiers
+        assert time.monotonic() - started < 5  # no request waited on the dead Redis for long
+        assert a.flush(10) is False
+        stats = a.stats()
+        assert not stats.redis_up or stats.redis_errors > 0
+        assert stats.index_pending > 0
+
+        redis_server.start()  # same port, empty: a new server run
+        with node("b", redis_server.url, tmp_path / "b") as b:
+            assert wait_for(lambda: b.lookup_prefix(KEYS).chunks == 20)  # a caught the index up
+            assert all(Location("a", TierName.SSD) in hit.locations for hit in b.lookup_prefix(KEYS).hits)
+        assert a.stats().index_resyncs >= 2 and a.stats().index_pending == 0
+        assert all(a.get(key) == data[key] for key in KEYS[:20])
+        a.put(KEYS[20], b"after")
+        assert a.flush(10)
+        assert a.stats().tiers["redis"].puts >= 11
+
+
+def test_redis_down_from_the_start(tmp_path: Path) -> None:
+    server = RedisServer(data_dir=tmp_path / "redis")  # never started yet
+    (tmp_path / "redis").mkdir()
+    with node("a", server.url, tmp_path / "a", redis_bytes=True) as a:
+        a.put(KEYS[0], b"x")
+        assert a.get(KEYS[0]) == b"x"
+        assert a.lookup_prefix(KEYS).chunks == 1
+        server.start()
+        try:
+            with node("b", server.url, None) as b:
+                assert wait_for(lambda: b.lookup_prefix(KEYS[:1]).chunks == 1)
+        finally:
+            server.close()
+
+
+@pytest.mark.parametrize("namespace", ["v41", "other"])
+def test_namespaces_keep_deployments_apart(redis_server: RedisServer, namespace: str) -> None:
+    with node("a", redis_server.url, None, namespace="v41") as a, \
+            node("b", redis_server.url, None, namespace=namespace) as b:
+        a.put(KEYS[0], b"x")
+        assert a.flush(10)
+        assert b.lookup_prefix(KEYS[:1]).chunks == (1 if namespace == "v41" else 0)
