@@ -1,0 +1,275 @@
+"""A sequence's cache as bytes: long-range chunks and a window-state object.
+
+A conversation's long-range state (compressed entries and indexer keys of every KV
+source) is cut by token position into chunks of ``chunk_tokens`` tokens; the chunk
+length is a multiple of every pooling ratio and of the candidate block, so a chunk
+holds whole entries and whole candidate blocks. Everything else — the windows of
+every layer, the hidden states of incomplete pooling groups, the Engram n-gram
+context, and the long-range rows past the last whole chunk — is one window-state
+object (short-lived: host RAM only in V4.1).
+
+Every object is ``header | payload``. The 96-byte header (little-endian)::
+
+    0   4  magic b"V41S"          4   2  format version       6   1  kind (1 chunk, 2 window)
+    7   1  reserved               8  16  model fingerprint   24  16  tokenizer fingerprint
+    40 16  layout fingerprint     56  8  first token position 64  8  tokens covered
+    72  8  payload bytes          80  8  XXH3-64 of the payload
+    88  8  XXH3-64 of bytes 0..87
+
+Any mismatch (magic, version, kind, fingerprints, lengths, checksums) raises
+:class:`StateError`, which callers treat as a cache miss. Nothing is unpickled:
+payloads are raw rows in the cache formats and little-endian integers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .cache import SequenceCache
+from .config import TextConfig
+from .formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
+
+MAGIC = b"V41S"
+FORMAT_VERSION = 1
+CHUNK, WINDOW = 1, 2
+_HEADER = struct.Struct("<4sHBx16s16s16sqqqQ")
+_HEADER_CHECK = struct.Struct("<Q")
+HEADER_BYTES = _HEADER.size + _HEADER_CHECK.size  # 96
+
+
+class StateError(ValueError):
+    """Serialized state that is corrupt, truncated, or from another model/tokenizer/layout."""
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class StateIdentity:
+    """What a serialized object must match to be read back: the model (config and
+    weights), the tokenizer, and the byte layout of the caches."""
+
+    model: bytes
+    tokenizer: bytes
+    layout: bytes
+
+    @classmethod
+    def of(cls, config: TextConfig, weights_digest: bytes, tokenizer_fingerprint: str | bytes) -> "StateIdentity":
+        canonical = json.dumps(config.to_dict(), sort_keys=True).encode()
+        tokenizer = tokenizer_fingerprint.encode() if isinstance(tokenizer_fingerprint, str) else tokenizer_fingerprint
+        return cls(model=_digest(canonical + weights_digest), tokenizer=_digest(tokenizer), layout=layout_fingerprint(config))
+
+
+def layout_fingerprint(config: TextConfig) -> bytes:
+    """A digest of every choice that decides the cache bytes: formats, widths, sources."""
+    sources = [(p.index, p.compress_ratio) for p in config.layer_plans() if p.is_kv_source]
+    description = {
+        "window": [WINDOW_KV.element, WINDOW_KV.block, WINDOW_KV.scale],
+        "entries": [COMPRESSED_KV.element, COMPRESSED_KV.block, COMPRESSED_KV.scale],
+        "keys": [INDEXER_KEY.element, INDEXER_KEY.block, INDEXER_KEY.scale],
+        "head_dim": config.head_dim,
+        "index_head_dim": config.index_head_dim,
+        "hidden_size": config.hidden_size,
+        "layers": config.num_hidden_layers,
+        "window_tokens": config.sliding_window,
+        "sources": sources,
+    }
+    return _digest(json.dumps(description, sort_keys=True).encode())
+
+
+def chunk_granularity(config: TextConfig) -> int:
+    """The smallest valid chunk length: a multiple of every pooling ratio and of the
+    candidate block (in tokens of the candidate source)."""
+    plans = config.layer_plans()
+    ratios = [p.compress_ratio for p in plans if p.is_kv_source]
+    block = [config.candidate_block_size * p.compress_ratio for p in plans if p.is_candidate_source]
+    return math.lcm(*ratios, *block) if ratios or block else 1
+
+
+# ---------------------------------------------------------------------- envelope
+
+
+def _seal(kind: int, identity: StateIdentity, start: int, tokens: int, payload: bytes) -> bytes:
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, identity.model, identity.tokenizer, identity.layout,
+                          start, tokens, len(payload), xxhash.xxh3_64_intdigest(payload))
+    return header + _HEADER_CHECK.pack(xxhash.xxh3_64_intdigest(header)) + payload
+
+
+def _open(blob: bytes, kind: int, identity: StateIdentity) -> tuple[int, int, memoryview]:
+    """Verify an object; returns (first position, tokens, payload)."""
+    if len(blob) < HEADER_BYTES:
+        raise StateError("truncated header")
+    view = memoryview(blob)
+    header = bytes(view[: _HEADER.size])
+    if _HEADER_CHECK.unpack_from(view, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(header):
+        raise StateError("header checksum mismatch")
+    magic, version, got_kind, model, tokenizer, layout, start, tokens, size, checksum = _HEADER.unpack(header)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise StateError(f"not a v{FORMAT_VERSION} state object")
+    if got_kind != kind:
+        raise StateError(f"expected object kind {kind}, found {got_kind}")
+    if (model, tokenizer, layout) != (identity.model, identity.tokenizer, identity.layout):
+        raise StateError("state of another model, tokenizer or cache layout")
+    payload = view[HEADER_BYTES:]
+    if len(payload) != size:
+        raise StateError(f"payload of {len(payload)} bytes, header says {size}")
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        raise StateError("payload checksum mismatch")
+    return start, tokens, payload
+
+
+class _Reader:
+    """Sequential reads from a verified payload; overruns are StateErrors."""
+
+    def __init__(self, payload: memoryview):
+        self.payload, self.offset = payload, 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.offset + n > len(self.payload):
+            raise StateError("payload shorter than its contents")
+        part = self.payload[self.offset : self.offset + n]
+        self.offset += n
+        return part
+
+    def ints(self, n: int) -> list[int]:
+        return list(struct.unpack(f"<{n}q", self.take(8 * n)))
+
+    def rows(self, n: int, width: int) -> torch.Tensor:
+        data = bytes(self.take(n * width))
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(n, width) if n else torch.empty(0, width, dtype=torch.uint8)
+
+    def floats(self, n: int, width: int) -> torch.Tensor:
+        data = bytes(self.take(4 * n * width))
+        return torch.frombuffer(bytearray(data), dtype=torch.float32).view(n, width) if n else torch.empty(0, width)
+
+    def done(self) -> None:
+        if self.offset != len(self.payload):
+            raise StateError("payload longer than its contents")
+
+
+def _sources(cache: SequenceCache) -> list[tuple[int, int]]:
+    return [(p.index, p.compress_ratio) for p in cache.config.layer_plans() if p.is_kv_source]
+
+
+# ---------------------------------------------------------------------- chunks
+
+
+def chunk_to_bytes(cache: SequenceCache, start: int, tokens: int, identity: StateIdentity) -> bytes:
+    """The long-range rows of positions ``[start, start + tokens)`` (whole chunk)."""
+    granularity = chunk_granularity(cache.config)
+    if start % granularity or tokens % granularity or start + tokens > cache.length:
+        raise ValueError(f"chunk [{start}, {start + tokens}) is not whole or not cached")
+    parts = []
+    for source, ratio in _sources(cache):
+        lo, hi = start // ratio, (start + tokens) // ratio
+        for rows in (cache.entries[source], cache.keys[source]):
+            if rows.n < hi:
+                raise ValueError(f"layer {source} holds {rows.n} entries, the chunk needs {hi}")
+            parts.append(rows.data[lo:hi].contiguous().numpy().tobytes())
+    return _seal(CHUNK, identity, start, tokens, b"".join(parts))
+
+
+def load_chunk(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> None:
+    """Append a chunk to a cache whose long-range state ends exactly where it starts.
+
+    Verifies everything before touching the cache: on error the cache is unchanged.
+    """
+    start, tokens, payload = _open(blob, CHUNK, identity)
+    if start != cache.length:
+        raise StateError(f"chunk starts at {start}, the cache ends at {cache.length}")
+    reader, staged = _Reader(payload), []
+    for source, ratio in _sources(cache):
+        n = (start + tokens) // ratio - start // ratio
+        for rows in (cache.entries[source], cache.keys[source]):
+            if rows.n != start // ratio:
+                raise StateError(f"layer {source}: cache holds {rows.n} entries, chunk starts at {start // ratio}")
+            staged.append((rows, reader.rows(n, rows.row_bytes)))
+    reader.done()
+    for rows, data in staged:
+        rows.append_bytes(data.to(rows._data.device))
+    cache.length = start + tokens
+
+
+# ---------------------------------------------------------------------- window state
+
+
+def window_to_bytes(cache: SequenceCache, chunked: int, identity: StateIdentity) -> bytes:
+    """Everything of ``cache`` not in its first ``chunked`` tokens' chunks: windows,
+    pending pooling rows, the n-gram context, and long-range rows past ``chunked``."""
+    parts = [struct.pack("<q", len(cache.windows))]
+    for window in cache.windows:
+        if window is None:
+            parts.append(struct.pack("<qq", -1, 0))
+        else:
+            parts.append(struct.pack("<qq", window.start, window.rows.n))
+            parts.append(window.rows.data.contiguous().numpy().tobytes())
+    for source, ratio in _sources(cache):
+        lo = chunked // ratio
+        for rows in (cache.entries[source], cache.keys[source]):
+            parts.append(struct.pack("<q", rows.n - lo))
+            parts.append(rows.data[lo:].contiguous().numpy().tobytes())
+        pending = cache.pending[source].float().contiguous()
+        parts.append(struct.pack("<q", pending.shape[0]))
+        parts.append(pending.cpu().numpy().tobytes())
+    tail = [] if cache.ngram is None else cache.ngram.tail.flatten().tolist()
+    parts.append(struct.pack(f"<q{len(tail)}q", len(tail), *tail))
+    return _seal(WINDOW, identity, chunked, cache.length - chunked, b"".join(parts))
+
+
+def load_window(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> None:
+    """Restore a window-state object onto a cache holding exactly its chunks.
+
+    Verifies and parses everything first: on error the cache is unchanged.
+    """
+    from .cache import PackedRows, Window
+    from .engram import NgramContext
+
+    chunked, tokens, payload = _open(blob, WINDOW, identity)
+    if chunked != cache.length:
+        raise StateError(f"window state follows token {chunked}, the cache ends at {cache.length}")
+    reader = _Reader(payload)
+    (n_layers,) = reader.ints(1)
+    if n_layers != len(cache.windows):
+        raise StateError("window state of another layer count")
+    windows = []
+    for _ in range(n_layers):
+        start, n = reader.ints(2)
+        if start < 0:
+            windows.append(None)
+            continue
+        rows = PackedRows(WINDOW_KV, cache.config.head_dim)
+        windows.append((start, rows, reader.rows(n, rows.row_bytes)))
+    staged, pending = [], {}
+    for source, ratio in _sources(cache):
+        for rows in (cache.entries[source], cache.keys[source]):
+            if rows.n != chunked // ratio:
+                raise StateError(f"layer {source}: cache holds {rows.n} entries, expected {chunked // ratio}")
+            (n,) = reader.ints(1)
+            staged.append((rows, reader.rows(n, rows.row_bytes)))
+        (n,) = reader.ints(1)
+        pending[source] = reader.floats(n, cache.config.hidden_size)
+    (n_tail,) = reader.ints(1)
+    tail = reader.ints(n_tail)
+    reader.done()
+    device = next(iter(cache.entries.values()))._data.device if cache.entries else "cpu"
+    for rows, data in staged:
+        rows.append_bytes(data.to(device))
+    for i, window in enumerate(windows):
+        if window is None:
+            cache.windows[i] = None
+        else:
+            start, rows, data = window
+            rows.append_bytes(data)
+            cache.windows[i] = Window(rows, start)
+    cache.pending = {k: v.to(device) for k, v in pending.items()}
+    if cache.ngram is not None and n_tail:
+        cache.ngram = NgramContext(torch.tensor(tail, dtype=torch.long).view(cache.ngram.tail.shape))
+    cache.length = chunked + tokens
