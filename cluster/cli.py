@@ -16,6 +16,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "params": ("cluster.commands.params", "count the model built on the meta device"),
     "forward": ("cluster.commands.forward", "reference full-sequence logits for token-id lists"),
+    "generate": ("cluster.commands.generate", "generate with the engine (prefill, replay, batched decode)"),
     "bench": ("cluster.bench", "side-by-side measurements, printed as a table"),
 }
 
@@ -26,6 +27,11 @@ class UserError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="v41", description="DeepSeek V4.1-Flash on Ray")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads (default 1: the small models' matmuls are too small to share, "
+        "and spinning OpenMP threads collapse when other processes hold the cores)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
@@ -37,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads < 1:
+        print("v41: error: --threads must be at least 1", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(args.threads)
     try:
         return int(args._module.run(args) or 0)
     except UserError as error:

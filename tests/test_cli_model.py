@@ -77,3 +77,23 @@ def test_forward_command_rejects_bad_ids(tmp_path, golden_dir, capsys, content):
 def test_params_command_reports_a_missing_config(tmp_path, capsys):
     assert main(["params", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_generate_command_reproduces_golden_greedy(tmp_path, golden_dir, capsys):
+    results = json.loads((golden_dir / "generation.json").read_text())["results"]
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([r["full_sequence"][: r["prompt_len"]] for r in results]))
+    code = main(["generate", str(golden_dir), "--ids", str(ids), "--max-new-tokens", "20", "--greedy",
+                 "--exact-replay", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["tokens"] == [r["new_tokens"] for r in results]
+
+
+def test_generate_command_chat_prompt_and_errors(golden_dir, capsys):
+    assert main(["generate", str(golden_dir), "--prompt", "def f(x):", "--max-new-tokens", "5", "--seed", "3",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["tokens"][0]) <= 5 and isinstance(out["text"][0], str)
+    assert main(["generate", str(golden_dir), "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
