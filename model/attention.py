@@ -108,10 +108,12 @@ class Indexer(nn.Module):
     def scores(
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
-        """Scores [B, S, T] of queries (hidden ``x`` [B, S, D]) against ``keys`` [B, T, d]."""
+        """Scores [B, S, T] of queries (hidden ``x`` [B, S, D]) against ``keys``: shared
+        [B, T, d], or per query [B, S, T, d] (a Reindex layer scoring its candidates)."""
         q = self.wq_b(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
         q = INDEXER_KEY.fake_quant(apply_rotary(q, cos, sin))
-        per_head = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu_() * self.head_dim**-0.5
+        pattern = "bshd,btd->bsht" if keys.ndim == 3 else "bshd,bstd->bsht"
+        per_head = torch.einsum(pattern, q.float(), keys.float()).relu_() * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
         return torch.einsum("bsht,bsh->bst", per_head, weights)
 
@@ -214,6 +216,26 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks:
     top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
     keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :width]
+
+
+def candidate_entries(
+    scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`candidate_blocks` as entry indices: ([..., topk_blocks * block], valid).
+
+    The same pool, listed instead of masked, so that a Reindex layer gathers and
+    scores only its candidates (its cost stops growing with the context).
+    """
+    width = scores.shape[-1]
+    padded = F.pad(scores, (0, -width % block), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    n_blocks = block_scores.shape[-1]
+    newest = ((n_visible - 1) // block).unsqueeze(-1)
+    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
+    top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
+    entries = (top.indices.unsqueeze(-1) * block + torch.arange(block, device=scores.device)).flatten(-2)
+    valid = (top.values > float("-inf")).repeat_interleave(block, dim=-1) & (entries < width)
+    return entries.clamp_max(width - 1), valid
 
 
 def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from . import mhc
-from .attention import candidate_blocks, top_entries
+from .attention import candidate_entries
 from .cache import SequenceCache
 from .config import AttentionMode
 from .engram import NgramHasher
@@ -79,10 +79,10 @@ class Engine:
     """Runs a :class:`Transformer` over :class:`SequenceCache` objects. No I/O, no Ray."""
 
     def __init__(self, model: Transformer, hasher: NgramHasher | None, bounded_replay: bool = True,
-                 query_chunk: int = 256):
+                 query_chunk: int = 128, prefill_chunk: int = 1024):
         self.model, self.hasher, self.bounded_replay = model, hasher, bounded_replay
         self.config = model.config
-        self.query_chunk = query_chunk
+        self.query_chunk, self.prefill_chunk = query_chunk, prefill_chunk
         self.decoder_start = self.config.decoder_start
         self.window = self.config.sliding_window
         if any(b.engram is not None for b in model.layers[self.decoder_start :]):
@@ -101,20 +101,36 @@ class Engine:
     def prefill(self, cache: SequenceCache, token_ids: list[int], engram_rows=None) -> DecoderInput:
         """Encoder half over ``token_ids`` (positions ``cache.length`` on) + CED projection.
 
-        ``engram_rows`` is an optional thunk returning, per Engram layer, rows
-        [n, cols, head_dim] for these tokens (a remote table service); it is called
-        right before the first Engram layer. Without it the model's tables are read.
+        Long prompts run in chunks of ``prefill_chunk`` tokens (the caches carry over
+        between chunks exactly). ``engram_rows`` is an optional thunk returning, per
+        Engram layer, rows [n, cols, head_dim] for these tokens (a remote table
+        service); it is called right before the first Engram layer. Without it the
+        model's tables are read.
         """
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.model.embed.weight.device)
-        positions = torch.arange(cache.length, cache.length + len(token_ids), device=ids.device)
-        rows = self._engram_rows(cache, ids, engram_rows, advance=True)
-        streams, pre = self.model.embed_streams(ids[None])
-        streams, pre = streams[0], pre[0]
-        segments = [_Segment(cache, positions, 0, len(token_ids))]
-        streams, pre = self._run(segments, streams, pre, range(self.decoder_start), rows)
-        self._project_decoder_memory(segments, streams, pre, rows)
-        cache.length += len(token_ids)
-        return DecoderInput(positions, streams, pre, ids)
+        device = self.model.embed.weight.device
+        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        start = cache.length
+        positions = torch.arange(start, start + len(token_ids), device=device)
+        hash_ids = self._hash(cache, ids)
+        pending_rows = engram_rows
+        rows: dict[int, torch.Tensor] | None = None
+        outputs = []
+        for lo in range(0, len(token_ids), self.prefill_chunk):
+            hi = min(len(token_ids), lo + self.prefill_chunk)
+            streams, pre = self.model.embed_streams(ids[None, lo:hi])
+            segment = [_Segment(cache, positions[lo:hi], 0, hi - lo)]
+
+            def chunk_rows() -> dict[int, torch.Tensor]:
+                nonlocal rows
+                if rows is None:
+                    rows = pending_rows() if pending_rows is not None else self._table_rows(hash_ids)
+                return {layer: r[lo:hi] for layer, r in rows.items()}
+
+            streams, pre = self._run(segment, streams[0], pre[0], range(self.decoder_start), chunk_rows)
+            self._project_decoder_memory(segment, streams, pre, chunk_rows)
+            cache.length = start + hi
+            outputs.append((streams, pre))
+        return DecoderInput(positions, torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), ids)
 
     @torch.no_grad()
     def replay(self, cache: SequenceCache, inputs: DecoderInput, exact: bool | None = None) -> torch.Tensor:
@@ -147,7 +163,7 @@ class Engine:
             positions = torch.arange(cache.length, cache.length + len(tokens), device=device)
             segments.append(_Segment(cache, positions, lo, lo + len(tokens)))
             ids.append(t)
-            rows.append(self._engram_rows(cache, t, None, advance=True))
+            rows.append(self._table_rows(self._hash(cache, t)))
             lo += len(tokens)
         flat_ids = torch.cat(ids)
         flat_rows = {layer: torch.cat([r[layer] for r in rows]) for layer in (rows[0] if rows else {})}
@@ -182,8 +198,12 @@ class Engine:
         return DecoderInput(positions, streams, pre, ids)
 
     # ------------------------------------------------------------------ layers
-    def _run(self, segments: list[_Segment], streams, pre, layers: range, rows: dict[int, torch.Tensor]):
-        """Blocks ``layers`` over the flat batch: streams [N, hc, D], pre [N, hc]."""
+    def _run(self, segments: list[_Segment], streams, pre, layers: range, rows):
+        """Blocks ``layers`` over the flat batch: streams [N, hc, D], pre [N, hc].
+
+        ``rows`` maps Engram layers to their rows [N, cols, hd], or is a thunk that
+        returns that map, called only when the first Engram layer is reached.
+        """
         picks: list[dict] = [{} for _ in segments]  # per sequence: this step's indexer picks
         for index in layers:
             block = self.model.layers[index]
@@ -195,10 +215,12 @@ class Engine:
             streams, pre = block.ffn_sublayer(streams, attn_pre, None)
         return streams, pre
 
-    def _engram(self, block: Block, streams, rows: dict[int, torch.Tensor]):
+    @staticmethod
+    def _engram(block: Block, streams, rows):
         if block.engram is None:
             return streams
-        return block.engram(streams, rows[block.plan.index], None)
+        table = rows() if callable(rows) else rows
+        return block.engram(streams, table[block.plan.index], None)
 
     def _project_decoder_memory(self, segments, streams, pre, rows) -> None:
         """The CED projection: the decoder's KV source pools the encoder output."""
@@ -273,36 +295,57 @@ class Engine:
         return attn.output(out[None], cos, sin)[0]
 
     def _pick(self, block: Block, cache, x, q_residual, cos, sin, positions, picks) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indexer of one layer: (entry indices [n, k], valid [n, k])."""
+        """The indexer of one layer: (entry indices [n, k], valid [n, k]).
+
+        Queries are scored in chunks, so prefill never holds an [n, heads, T] tensor.
+        The candidate source lists its pool in ``picks``; a Reindex layer gathers and
+        scores only those candidates.
+        """
         plan, config = block.plan, self.config
         keys = cache.keys[plan.kv_source].values
-        n_entries = keys.shape[0]
+        n, n_entries = len(positions), keys.shape[0]
         k = min(config.index_topk, n_entries)
         if k == 0:
-            empty = torch.zeros(len(positions), 0, dtype=torch.long, device=x.device)
+            empty = torch.zeros(n, 0, dtype=torch.long, device=x.device)
             return empty, empty.bool()
         n_visible = (positions + 1) // plan.compress_ratio  # [n]
-        visible = torch.arange(n_entries, device=x.device) < n_visible[:, None]
-        scores = block.attn.indexer.scores(x[None], q_residual, cos, sin, keys[None])[0]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if plan.is_candidate_source:
-            picks["candidates"] = candidate_blocks(scores, n_visible, config.candidate_topk_blocks,
-                                                   config.candidate_block_size)
-        elif plan.candidate_source is not None:
-            scores = scores.masked_fill(~picks["candidates"], float("-inf"))
-        top = scores.topk(k, dim=-1)
-        return top.indices, top.values > float("-inf")
+        indices, valid, pools = [], [], []
+        step = self.query_chunk
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            args = (x[None, lo:hi], q_residual[:, lo:hi], cos[:, lo:hi], sin[:, lo:hi])
+            if plan.candidate_source is not None:
+                pool, pool_valid = (t[lo:hi] for t in picks["candidates"])
+                pool_valid = pool_valid & (pool < n_visible[lo:hi, None])  # the newest block is partial
+                scores = block.attn.indexer.scores(*args, keys[pool][None])[0]
+                scores = scores.masked_fill(~pool_valid, float("-inf"))
+            else:
+                pool = None
+                scores = block.attn.indexer.scores(*args, keys[None])[0]
+                visible = torch.arange(n_entries, device=x.device) < n_visible[lo:hi, None]
+                scores = scores.masked_fill(~visible, float("-inf"))
+                if plan.is_candidate_source:
+                    pools.append(candidate_entries(scores, n_visible[lo:hi], config.candidate_topk_blocks,
+                                                   config.candidate_block_size))
+            top = scores.topk(min(k, scores.shape[-1]), dim=-1)
+            indices.append(top.indices if pool is None else pool.gather(-1, top.indices))
+            valid.append(top.values > float("-inf"))
+        if pools:
+            picks["candidates"] = tuple(torch.cat(parts) for parts in zip(*pools))
+        return torch.cat(indices), torch.cat(valid)
 
     # ------------------------------------------------------------------ Engram rows
-    def _engram_rows(self, cache: SequenceCache, ids: torch.Tensor, thunk, advance: bool) -> dict[int, torch.Tensor]:
-        """Engram rows [n, cols, hd] per Engram layer for new tokens ``ids`` [n]."""
+    def _hash(self, cache: SequenceCache, ids: torch.Tensor) -> torch.Tensor | None:
+        """Engram row ids [n, layers, cols] of new tokens; advances the n-gram context."""
         if self.hasher is None:
+            return None
+        hash_ids, cache.ngram = self.hasher.hash_ids(ids[None], cache.ngram)
+        return hash_ids
+
+    def _table_rows(self, hash_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
+        """Rows [n, cols, hd] per Engram layer from the model's in-process tables."""
+        if hash_ids is None:
             return {}
-        hash_ids, context = self.hasher.hash_ids(ids[None], cache.ngram)
-        if advance:
-            cache.ngram = context
-        if thunk is not None:
-            return thunk()
         return {layer: rows[0] for layer, rows in self.model.engram_rows(hash_ids).items()}
 
     def _lookback_rows(self, cache: SequenceCache, token_ids: list[int], start: int) -> dict[int, torch.Tensor]:

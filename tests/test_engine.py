@@ -163,3 +163,18 @@ def test_restore_rebuilds_expired_windows(tiny):
     assert restored.positions.tolist() == list(range(120 - 32, 120))
     logits = engine.replay(cache, restored.then(engine.prefill(cache, follow)))
     assert torch.isfinite(logits).all()
+
+
+def test_chunked_prefill_equals_one_shot(golden_model, golden_hasher, golden_prompts):
+    _, model = golden_model
+    prompt = golden_prompts[2]
+    results = []
+    for chunk in (1024, 37, 8):
+        engine = Engine(model, golden_hasher, bounded_replay=False, prefill_chunk=chunk, query_chunk=5)
+        cache = engine.new_cache()
+        results.append((engine.replay(cache, engine.prefill(cache, prompt)), cache))
+    (one_shot, reference_cache), *chunked = results
+    for logits, cache in chunked:
+        assert (logits - one_shot).abs().max() < 1e-4
+        for source, rows in cache.entries.items():
+            assert torch.equal(rows.data, reference_cache.entries[source].data)

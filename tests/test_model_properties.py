@@ -112,3 +112,17 @@ def test_reuse_layers_read_exactly_their_sources_picks(golden_dir):
     # A Reindex layer picks inside the candidate pool but differs from its source.
     reindex = [p for p in plans if p.mode is AttentionMode.REINDEX][0]
     assert not torch.equal(masks[reindex.index][..., 150:], masks[reindex.kv_source][..., 150:])
+
+
+def test_candidate_entries_list_the_candidate_blocks_pool():
+    from model.attention import candidate_blocks, candidate_entries
+
+    generator = torch.Generator().manual_seed(3)
+    for width, block, top in ((37, 4, 3), (64, 8, 2), (9, 4, 8)):
+        scores = torch.randn(50, width, generator=generator)
+        n_visible = torch.randint(0, width + 1, (50,), generator=generator)
+        scores = scores.masked_fill(torch.arange(width) >= n_visible[:, None], float("-inf"))
+        mask = candidate_blocks(scores, n_visible, top, block)
+        index, valid = candidate_entries(scores, n_visible, top, block)
+        listed = torch.zeros(mask.shape, dtype=torch.int64).scatter_add_(-1, index, valid.long()) > 0
+        assert torch.equal(listed, mask)
