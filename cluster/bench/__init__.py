@@ -12,6 +12,8 @@ import importlib
 
 # name -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("cluster.bench.engine", "decode step time against context, CED prefill against full depth"),
+    "replay": ("cluster.bench.replay", "drift of the bounded replays against the exact path"),
     "store": ("cluster.bench.store", "tiered store GET/PUT throughput against the raw tiers"),
 }
 
