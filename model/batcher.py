@@ -12,6 +12,7 @@ The batcher knows nothing of Ray or HTTP: the decoder actor drives it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,10 +48,13 @@ class Batcher:
     """Runs many requests through one engine, one batched decode step at a time."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, eos_token_ids: tuple[int, ...] = (),
-                 max_batch: int = 64):
+                 max_batch: int = 64, on_finish: Callable[[str, SequenceCache, list[int]], None] | None = None):
+        """``on_finish(request_id, cache, tokens)`` runs when a request ends normally
+        (not when cancelled): the cache holds every token fed so far."""
         self.engine, self.tokenizer = engine, tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_batch = max_batch
+        self.on_finish = on_finish
         self.running: dict[str, _Running] = {}
 
     def can_add(self) -> bool:
@@ -103,6 +107,8 @@ class Batcher:
             if running.detokenizer is not None and update.finish_reason == "length":
                 update = type(update)(update.text + running.detokenizer.flush(), update.finish_reason)
             del self.running[running.request_id]
+            if self.on_finish is not None:
+                self.on_finish(running.request_id, running.cache, running.tokens)
         return TokenEvent(running.request_id, token, update.text, update.finish_reason)
 
 

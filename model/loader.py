@@ -246,6 +246,21 @@ def config_to_dict(config: ModelConfig) -> dict:
     return out
 
 
+def weights_digest(directory: str | Path) -> bytes:
+    """A digest identifying a checkpoint's weights without reading them: the
+    safetensors headers (names, dtypes, shapes, offsets) and file sizes. Cache bytes
+    are only ever shared between processes that agree on it."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=16)
+    for path in checkpoint_files(Path(directory)):
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(size))
+        digest.update(path.stat().st_size.to_bytes(8, "little"))
+    return digest.digest()
+
+
 def load_tokenizer(directory: str | Path):
     """The checkpoint's ``tokenizers.Tokenizer`` (``tokenizer.json``)."""
     from tokenizers import Tokenizer

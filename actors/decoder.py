@@ -1,0 +1,68 @@
+"""The decoder pool: replay, continuous-batching decode, write the conversation back.
+
+:class:`DecoderService` is the engine-side logic (tested without Ray): it admits
+handoffs from the prefill pool into a :class:`model.batcher.Batcher`, steps the
+batch, and when a request ends normally writes the conversation's new whole chunks
+and its window state to the node's store. A request that fails or is cancelled
+writes nothing, so the store never holds a partial conversation.
+"""
+
+from __future__ import annotations
+
+from model.batcher import Batcher, TokenEvent
+from model.cache import SequenceCache
+from model.chat import Tokenizer
+from model.engine import DecoderInput, Engine
+from model.sampling import SamplingParams
+from model.serialize import chunk_to_bytes, load_window, window_to_bytes
+
+from .prefill import StoreLike
+from .state import Handoff, StateNaming
+
+
+class DecoderService:
+    """One decoder replica's batch, and its writes to the store."""
+
+    def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming, tokenizer: Tokenizer | None = None,
+                 eos_token_ids: tuple[int, ...] = (), max_batch: int = 32):
+        self.engine, self.store, self.naming = engine, store, naming
+        self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._write_back)
+        self._requests: dict[str, Handoff] = {}
+
+    def admit(self, request_id: str, handoff: Handoff, params: SamplingParams) -> TokenEvent:
+        """Load a handoff, replay the decoder half, and return the first token."""
+        cache = self.engine.new_cache()
+        load_window(cache, handoff.state, self.naming.identity)
+        inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids)
+        self._requests[request_id] = handoff
+        try:
+            return self.batcher.add(request_id, params, cache=cache, inputs=inputs)
+        finally:
+            if request_id not in self.batcher.running:
+                self._requests.pop(request_id, None)
+
+    def step(self) -> list[TokenEvent]:
+        return self.batcher.step()
+
+    def cancel(self, request_id: str) -> None:
+        self.batcher.cancel(request_id)
+        self._requests.pop(request_id, None)
+
+    @property
+    def running(self) -> int:
+        return len(self.batcher.running)
+
+    def _write_back(self, request_id: str, cache: SequenceCache, generated: list[int]) -> None:
+        """Store the conversation's new whole chunks and its window state."""
+        handoff = self._requests.pop(request_id, None)
+        if handoff is None:
+            return
+        tokens = list(handoff.token_ids) + generated[:-1]  # the last token was never fed
+        if len(tokens) != cache.length:
+            raise RuntimeError(f"cache holds {cache.length} tokens, the conversation {len(tokens)}")
+        size = self.naming.chunk_tokens
+        whole = cache.length // size
+        keys = self.naming.chunks(tokens)
+        for index in range(handoff.stored_chunks, whole):
+            self.store.put(keys[index], chunk_to_bytes(cache, index * size, size, self.naming.identity))
+        self.store.put(self.naming.window(tokens), window_to_bytes(cache, whole * size, self.naming.identity))

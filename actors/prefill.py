@@ -1,0 +1,105 @@
+"""The prefill encoder pool: load the stored prefix, encode the new tokens, hand off.
+
+:class:`PrefillService` is the engine-side logic (tested without Ray); the Serve
+deployment in :mod:`cluster.app` is a thin wrapper around it.
+
+For a request it (1) reads the stored chunks of the prompt's cached prefix from its
+node's store, (2) looks for the window state of the conversation's previous turn
+(host RAM, minutes): with it the windows are exact; without it the encoder reruns
+the last window of cached tokens (Encoder SWA Bounded Replay), (3) encodes the new
+tokens, and (4) returns a :class:`Handoff` with the serialized cache and the
+decoder input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from model.engine import DecoderInput, Engine
+from model.serialize import StateError, load_chunk, load_window, window_to_bytes
+from storage.keys import ObjectKey
+
+from .state import CachePlan, Handoff, StateNaming
+
+
+class StoreLike(Protocol):
+    """The part of the tiered store the pools use (a TieredStore or a store actor client)."""
+
+    def get_many(self, keys: list[ObjectKey]) -> list[bytes | None]: ...
+
+    def put(self, key: ObjectKey, payload: bytes) -> None: ...
+
+
+class PrefillService:
+    """Turns cache plans into handoffs with one engine and one node store."""
+
+    def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming):
+        self.engine, self.store, self.naming = engine, store, naming
+
+    def prefill(self, plan: CachePlan, engram_rows: Callable[[], dict[int, torch.Tensor]] | None = None) -> Handoff:
+        """Encode a request. ``engram_rows`` (optional) returns the Engram rows of the
+        whole prompt [S, cols, hd] per layer, fetched remotely while this runs."""
+        tokens = list(plan.token_ids)
+        if not tokens:
+            raise ValueError("empty prompt")
+        cache, chunks_read = self._load_chunks(tokens, plan.cached_chunks)
+        chunked = cache.length
+        # Leave at least one token to encode: the decoder needs its input streams.
+        resumed = self._load_window(cache, tokens[:-1], chunked)
+        replay: DecoderInput | None = None
+        if not resumed and cache.length:
+            replay = self.engine.restore(cache, tokens[: cache.length])
+        cached = cache.length
+        rows = None
+        if engram_rows is not None:  # rows of the whole prompt: keep the new tokens'
+            rows = lambda: {layer: r[cached:] for layer, r in engram_rows().items()}  # noqa: E731
+        fresh = self.engine.prefill(cache, tokens[cached:], engram_rows=rows)
+        inputs = replay.then(fresh) if replay is not None else fresh
+        return Handoff(
+            token_ids=tuple(tokens),
+            state=window_to_bytes(cache, 0, self.naming.identity),
+            positions=inputs.positions,
+            streams=inputs.streams,
+            pre=inputs.pre,
+            replay_ids=inputs.token_ids,
+            cached_tokens=cached,
+            stored_chunks=chunks_read,
+        )
+
+    def _load_chunks(self, tokens: list[int], planned: int):
+        """The longest run of stored chunks that verifies (a bad chunk ends the run)."""
+        cache = self.engine.new_cache()
+        # Keep one token out of the chunks: the prompt's last token must be encoded.
+        usable = min(planned, (len(tokens) - 1) // self.naming.chunk_tokens)
+        keys = self.naming.chunks(tokens)[:usable]
+        loaded = 0
+        for blob in self.store.get_many(keys) if keys else []:
+            if blob is None:
+                break
+            try:
+                load_chunk(cache, blob, self.naming.identity)
+            except StateError:
+                break
+            loaded += 1
+        if loaded and self.engine.hasher is not None:
+            # The n-gram context of the loaded prefix (the window state would carry it).
+            _, cache.ngram = self.engine.hasher.hash_ids(torch.tensor([tokens[: cache.length]]))
+        return cache, loaded
+
+    def _load_window(self, cache, tokens: list[int], chunked: int) -> bool:
+        """Resume from the previous turn's window state when this node still has it."""
+        candidates = self.naming.window_candidates(tokens, chunked)
+        blobs = self.store.get_many([key for _, key in candidates])
+        for (length, _), blob in zip(candidates, blobs):
+            if blob is None:
+                continue
+            try:
+                load_window(cache, blob, self.naming.identity)
+            except StateError:
+                continue
+            if cache.length == length:
+                return True
+        return False

@@ -1,0 +1,79 @@
+"""What crosses between the pools: cache plans, prefill handoffs, and the store's naming.
+
+The router builds a :class:`CachePlan` for each request (which chunks of the prompt
+are stored, and where); a prefill replica turns it into a :class:`Handoff` for a
+decoder replica; the decoder writes the conversation back to the store under the
+same names. Naming lives in :class:`StateNaming`: one model fingerprint, one chunk
+length, for every actor of a deployment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.serialize import StateIdentity, chunk_granularity
+from storage.keys import Fingerprint, ObjectKey, chunk_keys, window_key
+
+
+@dataclass(frozen=True)
+class StateNaming:
+    """Names of a model's stored state: the store fingerprint and the chunk length."""
+
+    fingerprint: Fingerprint
+    identity: StateIdentity
+    chunk_tokens: int
+
+    @classmethod
+    def of(cls, identity: StateIdentity, config, chunk_tokens: int) -> "StateNaming":
+        if chunk_tokens % chunk_granularity(config):
+            raise ValueError(f"chunk_tokens {chunk_tokens} must be a multiple of {chunk_granularity(config)}")
+        return cls(Fingerprint(identity.model), identity, chunk_tokens)
+
+    def chunks(self, token_ids: list[int]) -> list[ObjectKey]:
+        return chunk_keys(self.fingerprint, token_ids, self.chunk_tokens)
+
+    def window(self, token_ids: list[int]) -> ObjectKey:
+        """The name of the window state after all of ``token_ids``."""
+        return window_key(self.fingerprint, token_ids, self.chunk_tokens)
+
+    def window_candidates(self, token_ids: list[int], chunked: int) -> list[tuple[int, ObjectKey]]:
+        """(length, key) of every window state a prompt could resume from after its
+        first ``chunked`` tokens (the conversation's previous turn ended somewhere in
+        the next chunk), longest first."""
+        last = min(len(token_ids), chunked + self.chunk_tokens - 1)
+        return [(n, self.window(token_ids[:n])) for n in range(last, chunked - 1, -1)]
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The router's view of a request's stored prefix.
+
+    ``cached_chunks`` leading chunks of ``token_ids`` are stored somewhere in the
+    cluster; ``nodes`` are the nodes holding them, best first (RAM beats SSD).
+    """
+
+    token_ids: tuple[int, ...]
+    cached_chunks: int
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass
+class Handoff:
+    """A prefilled request, from a prefill replica to a decoder replica.
+
+    ``state`` is the whole sequence cache serialized (a window-state object over
+    zero chunks: every long-range row, window, pending row and the n-gram context);
+    the tensors are the decoder input of the tokens the decoder must replay.
+    ``cached_tokens`` counts prompt tokens read from the store rather than encoded.
+    """
+
+    token_ids: tuple[int, ...]
+    state: bytes
+    positions: torch.Tensor
+    streams: torch.Tensor
+    pre: torch.Tensor
+    replay_ids: torch.Tensor
+    cached_tokens: int
+    stored_chunks: int
