@@ -15,6 +15,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("cluster.bench.engine", "decode step time against context, CED prefill against full depth"),
     "replay": ("cluster.bench.replay", "drift of the bounded replays against the exact path"),
     "store": ("cluster.bench.store", "tiered store GET/PUT throughput against the raw tiers"),
+    "engram": ("cluster.bench.engram", "Engram service lookups and prefill with prefetch against in-process tables"),
 }
 
 
