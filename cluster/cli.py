@@ -14,6 +14,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("cluster.commands.serve", "the whole cluster on this machine (embedded Redis, RAM and SSD tiers)"),
     "params": ("cluster.commands.params", "count the model built on the meta device"),
     "forward": ("cluster.commands.forward", "reference full-sequence logits for token-id lists"),
     "generate": ("cluster.commands.generate", "generate with the engine (prefill, replay, batched decode)"),

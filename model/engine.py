@@ -85,7 +85,7 @@ class Engine:
         self.query_chunk, self.prefill_chunk = query_chunk, prefill_chunk
         self.decoder_start = self.config.decoder_start
         self.window = self.config.sliding_window
-        if any(b.engram is not None for b in model.layers[self.decoder_start :]):
+        if any(getattr(b, "engram", None) is not None for b in model.layers[self.decoder_start :]):
             # The decoder replays tokens it did not embed; V4.1's Engram layers (1, 14) are encoder layers.
             raise ValueError("Engram layers in the decoder half are not supported by the engine")
 

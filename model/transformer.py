@@ -98,6 +98,22 @@ class Transformer(nn.Module):
             {kind: Rotary(config.rope_spec(kind), config.qk_rope_head_dim) for kind in ("main", "compress")}
         )
 
+    def keep_encoder_only(self) -> "Transformer":
+        """Drop what a prefill replica never runs: the decoder blocks (but the CED
+        projection: the decoder KV source's input norm, compressor and indexer keys)
+        and the output head. The model then only serves :meth:`Engine.prefill`."""
+        start = self.config.decoder_start
+        for index in range(start, len(self.layers)):
+            block = self.layers[index]
+            if index == start and block.plan.is_kv_source:
+                block.ffn = None
+                for name in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b"):
+                    setattr(block.attn, name, None)
+            else:
+                self.layers[index] = nn.Identity()
+        self.lm_head = None
+        return self
+
     @torch.no_grad()
     def init_weights(self, seed: int, std: float | None = None) -> "Transformer":
         """Random initialisation (tests, training from scratch): matrices and tables
@@ -138,7 +154,7 @@ class Transformer(nn.Module):
 
     def engram_rows(self, engram_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
         """Rows [B, S, cols, head_dim] per Engram layer, fetched from the in-process tables."""
-        blocks = [b for b in self.layers if b.engram is not None]
+        blocks = [b for b in self.layers if getattr(b, "engram", None) is not None]
         if blocks and engram_ids is None:
             raise ValueError("this model has Engram layers: pass engram_ids from the NgramHasher")
         return {b.plan.index: b.engram.lookup(engram_ids[:, :, b.engram_table]) for b in blocks}

