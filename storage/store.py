@@ -181,11 +181,14 @@ class TieredStore:
         is asked once for all the keys still missing (RAM under one lock, Redis in one
         round trip)."""
         results = self._ram.get_many(keys)
-        missing = [i for i, payload in enumerate(results) if payload is None]
         if self._publisher is not None:
             self._published_use(TierName.RAM, [key for key, payload in zip(keys, results) if payload is not None])
-        for i in missing:  # written but not yet on the lower tiers
-            results[i] = self._writer.pending(keys[i])
+        if None not in results:  # all in RAM: the hot path
+            return results
+        missing = [i for i, payload in enumerate(results) if payload is None]
+        # Written but not yet on the lower tiers.
+        for i, payload in zip(missing, self._writer.pending_many([keys[i] for i in missing])):
+            results[i] = payload
         for tier in (self._ssd, self._redis):
             missing = [i for i in missing if results[i] is None]
             if tier is None or not missing:

@@ -62,6 +62,14 @@ class WriteBehind:
             job = self._queued.get(key) or self._in_flight.get(key)
         return job.payload if job else None
 
+    def pending_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+        """``pending`` for each key, in order, under one lock round."""
+        with self._cond:
+            if not self._queued and not self._in_flight:
+                return [None] * len(keys)
+            jobs = [self._queued.get(key) or self._in_flight.get(key) for key in keys]
+        return [job.payload if job else None for job in jobs]
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every write submitted so far has finished; False on timeout."""
         with self._cond:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import struct
 import zlib
 
 import numpy as np
 import pytest
+import xxhash
 
-from storage.codec import HEADER_BYTES, Codec, CorruptObject
+from storage.codec import FORMAT_VERSION, HEADER_BYTES, Codec, CorruptObject, checksum
 from storage.keys import Fingerprint, Kind, MediaSpan, ObjectKey, chunk_keys, window_key
 
 FP = Fingerprint.of("tiny", {"layers": 4, "window": 8})
@@ -63,28 +63,14 @@ def test_key_hex_round_trips_and_rejects_junk() -> None:
             ObjectKey.from_hex(Kind.CHUNK, junk)
 
 
-def reference_checksum(payload: bytes) -> int:
-    """The page-sum checksum written out plainly (the codec's vectorised one must agree)."""
-    mask = (1 << 64) - 1
-    total = 0
-    for page_index, start in enumerate(range(0, len(payload), 4096)):
-        page = payload[start:start + 4096]
-        if len(page) == 4096:
-            page_sum = sum(struct.unpack("<512Q", page)) & mask
-        else:
-            page_sum = zlib.crc32(page)
-        z = (page_index * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & mask
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        weight = (z ^ (z >> 31)) | 1
-        total = (total + page_sum * weight) & mask
-    return total
-
-
-@pytest.mark.parametrize("size", [0, 1, 7, 8, 4095, 4096, 4097, 40000, 300_001])
-def test_checksum_agrees_with_the_plain_reference(size: int) -> None:
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 240, 4095, 4096, 4097, 40000, 300_001])
+def test_checksum_is_standard_xxh3_64(size: int) -> None:
     payload = random.Random(size).randbytes(size)
-    assert Codec(FP).checksum(payload) == reference_checksum(payload)
+    streamed = xxhash.xxh3_64()  # the library's streaming code path, fed in uneven pieces
+    for start in range(0, size, 1000):
+        streamed.update(payload[start:start + 1000])
+    assert checksum(payload) == checksum(memoryview(payload)) == streamed.intdigest()
+    assert checksum(b"") == 0x2D06800538D394C2  # the published XXH3-64 of nothing, seed 0
 
 
 def _envelope(codec: Codec, key: ObjectKey, payload: bytes) -> bytes:
@@ -132,8 +118,33 @@ def test_torn_swapped_and_foreign_objects_are_caught() -> None:
         _open(codec, k2, blob)  # stored under another key
     with pytest.raises(CorruptObject):
         _open(Codec(Fingerprint(hashlib.blake2b(b"x", digest_size=16).digest())), k1, blob)
-    future = bytearray(blob)
-    future[4:6] = (2).to_bytes(2, "little")  # a later format version (crc fixed up)
-    future[76:80] = zlib.crc32(bytes(future[:76])).to_bytes(4, "little")
-    with pytest.raises(CorruptObject, match="format version"):
-        _open(codec, k1, bytes(future))
+    for version in (1, FORMAT_VERSION + 1):  # the page-sum format, and a later one (crc fixed up)
+        other = bytearray(blob)
+        other[4:6] = version.to_bytes(2, "little")
+        other[76:80] = zlib.crc32(bytes(other[:76])).to_bytes(4, "little")
+        with pytest.raises(CorruptObject, match=f"format version {version}"):
+            _open(codec, k1, bytes(other))
+
+
+def _page_word_sums(payload: bytes) -> list[int]:
+    """Per-4-KiB-page sums of uint64 words mod 2**64: what format 1's checksum was built from."""
+    words = np.frombuffer(payload, dtype="<u8").reshape(-1, 512)
+    return [int(page) for page in words.sum(axis=1)]
+
+
+def test_changes_that_cancel_inside_a_page_are_caught() -> None:
+    codec = Codec(FP)
+    key = chunk_keys(FP, range(16), 16)[0]
+    payload = os.urandom(3 * 4096)
+    blob = _envelope(codec, key, payload)
+    words = np.frombuffer(payload, dtype="<u8")
+    swapped = words.copy()
+    swapped[[520, 530]] = swapped[[530, 520]]  # two words of page 1 trade places
+    shifted = words.copy()
+    shifted[600] += np.uint64(1 << 40)  # +2**40 in one word of page 1, -2**40 in another
+    shifted[700] -= np.uint64(1 << 40)
+    for bad_words in (swapped, shifted):
+        bad = bad_words.tobytes()
+        assert bad != payload and _page_word_sums(bad) == _page_word_sums(payload)  # format 1 missed these
+        with pytest.raises(CorruptObject, match="payload checksum"):
+            _open(codec, key, blob[:HEADER_BYTES] + bad)

@@ -70,11 +70,25 @@ def test_corrupt_redis_objects_are_misses_and_removed(redis_server: RedisServer)
         a.put(KEYS[1], b"payload" * 100)
         assert a.flush(10)
         client = redis.Redis.from_url(redis_server.url)
-        client.hset(f"v41:chunk:{KEYS[0].hex}", "d", b"paYload" + b"payload" * 99)
-        client.hset(f"v41:chunk:{KEYS[1].hex}", "t", b"not a time")
+        # The value is last use (8 bytes) | 80-byte header | payload.
+        client.setrange(f"v41:chunk:{KEYS[0].hex}", 8 + 80 + 2, b"Y")  # one payload byte
+        client.set(f"v41:chunk:{KEYS[1].hex}", b"\0" * 8)  # a last use and no object
         assert a.get_many(KEYS[:2]) == [None, None]
         assert a.stats().tiers["redis"].corrupt == 2
         assert not client.exists(f"v41:chunk:{KEYS[0].hex}", f"v41:chunk:{KEYS[1].hex}")
+
+
+def test_format_1_objects_read_as_misses_and_gc_removes_them(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    name = f"v41:chunk:{KEYS[0].hex}"
+    client.hset(name, mapping={"h": b"\0" * 80, "d": b"old bytes", "t": b"1.0"})  # format 1: a hash
+    with node("a", redis_server.url, None, ram=0, redis_bytes=True) as a:
+        assert a.get(KEYS[0]) is None
+        a.gc()
+        assert not client.exists(name)
+        a.put(KEYS[0], b"new bytes")
+        assert a.flush(10)
+        assert a.get(KEYS[0]) == b"new bytes"
 
 
 def test_a_password_in_the_url_is_used(tmp_path: Path) -> None:

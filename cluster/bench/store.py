@@ -12,10 +12,10 @@ chunks, and raw GETs likewise keep each batch of 64 objects alive until the batc
 done (the store must return them all at once; a raw loop that dropped each object at
 once would reuse one warm buffer, which at 256 KiB is several times faster than
 fresh memory and no reader of a prefix can do). Store and raw repetitions alternate
-and the median of each is reported, as MB/s and as the ratio store/raw. Store GETs include everything the store does (verification,
-retention bookkeeping, metrics); SSD and Redis PUTs include the write-behind hand-off
-and are timed until ``flush`` returns. The embedded redis-server is started and stopped
-here. The headline ratios (``*_get_ratio``) are the worst over the object sizes.
+and the median of each is reported, as MB/s and as the ratio store/raw. Store GETs
+include everything the store does (verification, retention bookkeeping, metrics); SSD
+and Redis PUTs include the write-behind hand-off and are timed until ``flush``
+returns. The embedded redis-server is started and stopped here. The headline ratios (``*_get_ratio``) are the worst over the object sizes.
 """
 
 from __future__ import annotations

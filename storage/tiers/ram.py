@@ -18,11 +18,12 @@ from storage.tiers.base import LocalTier, OnDrop
 
 
 class _Entry:
-    __slots__ = ("kind", "payload", "expires")
+    __slots__ = ("kind", "payload", "ttl", "expires")
 
-    def __init__(self, kind: Kind, payload: bytes, expires: float) -> None:
+    def __init__(self, kind: Kind, payload: bytes, ttl: float, expires: float) -> None:
         self.kind = kind
         self.payload = payload
+        self.ttl = ttl  # the kind's retention, kept here: a read needs no look-up by kind
         self.expires = expires
 
 
@@ -62,24 +63,28 @@ class RamTier(LocalTier):
     def get_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
         now = self._clock()
         results: list[bytes | None] = []
+        append = results.append
         expired: list[ObjectKey] = []
-        hits = hit_bytes = 0
-        with self._lock:  # one lock round for the whole batch
-            entries = self._entries
+        misses = hit_bytes = 0
+        with self._lock:  # one lock round for the whole batch; the loop is the hot path of a RAM hit
+            get = self._entries.get
+            move_to_end = self._entries.move_to_end
             for key in keys:
-                entry = entries.get(key.digest)
+                digest = key.digest
+                entry = get(digest)
                 if entry is not None and entry.kind is key.kind:
                     if entry.expires > now:
-                        entry.expires = now + self._ttl[key.kind]
-                        entries.move_to_end(key.digest)
-                        results.append(entry.payload)
-                        hits += 1
-                        hit_bytes += len(entry.payload)
+                        entry.expires = now + entry.ttl
+                        move_to_end(digest)
+                        payload = entry.payload
+                        append(payload)
+                        hit_bytes += len(payload)
                         continue
-                    self._pop(key.digest)
+                    self._pop(digest)
                     expired.append(key)
-                results.append(None)
-        self._counters.add(hits=hits, misses=len(keys) - hits, bytes_read=hit_bytes, expirations=len(expired))
+                append(None)
+                misses += 1
+        self._counters.add(hits=len(keys) - misses, misses=misses, bytes_read=hit_bytes, expirations=len(expired))
         for key in expired:
             self._on_drop(key)
         return results
@@ -96,7 +101,8 @@ class RamTier(LocalTier):
                 digest, old = self._entries.popitem(last=False)
                 self._bytes -= len(old.payload)
                 evicted.append(ObjectKey(old.kind, digest))
-            self._entries[key.digest] = _Entry(key.kind, payload, now + self._ttl[key.kind])
+            ttl = self._ttl[key.kind]
+            self._entries[key.digest] = _Entry(key.kind, payload, ttl, now + ttl)
             self._bytes += size
         self._counters.add(puts=1, bytes_written=size, evictions=len(evicted))
         for old_key in evicted:

@@ -1,15 +1,19 @@
 """Redis object tier: chunk bytes shared by every node, for small deployments.
 
-Each object is one hash ``{ns}:{kind}:{hex}`` with fields ``h`` (the 80-byte envelope
-header), ``d`` (the payload, kept apart so that reads need no copy to split it) and
-``t`` (last use, from the store's clock). The key's Redis TTL is the tier's retention,
-refreshed with ``t``; the store's own clock decides expiry too (``t`` is checked on
-read and by GC), so retention behaves the same under an injected clock. Reads and
-writes of many objects share one pipelined round trip.
+Each object is one string ``{ns}:{kind}:{hex}``: its last use (8 bytes, float64 LE,
+from the store's clock) followed by the envelope (80-byte header and payload). One
+string per object lets a batch of reads be one ``MGET``, which redis-py sends and
+parses several times faster than a pipeline of per-object commands. The key's Redis
+TTL is the tier's retention, refreshed with the last use (``SETRANGE`` of the first 8
+bytes, outside the checksummed envelope, then ``PEXPIRE``); the store's own clock
+decides expiry too (the last use is checked on read and by GC), so retention behaves
+the same under an injected clock. Writes of many objects share one pipelined round trip.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Callable, Sequence
 
 import redis
@@ -22,6 +26,7 @@ from storage.redis_link import RedisLink
 from storage.tiers.base import OnDrop, Tier
 
 _SCAN_BATCH = 500
+_USED = struct.Struct("<d")  # last use, by the store's clock, in front of the envelope
 
 
 class RedisTier(Tier):
@@ -37,49 +42,51 @@ class RedisTier(Tier):
         self._clock = clock
         self._counters = counters
         self._on_drop = on_drop
+        self._retention_s = {kind: policy.retention_s(kind, TierName.REDIS) for kind in Kind}  # None: not kept
 
     def _name(self, key: ObjectKey) -> str:
         return self._link.key(key.kind.name.lower(), key.hex)
 
     def _retention(self, kind: Kind) -> float | None:
-        return self._policy.retention_s(kind, TierName.REDIS)
+        return self._retention_s[kind]
 
     def contains(self, key: ObjectKey) -> bool:
         return bool(self._link.run(lambda client: client.exists(self._name(key))))
 
     def get(self, key: ObjectKey) -> bytes | None:
-        return self.get_many([key])[0]
+        return self.get_many((key,))[0]
 
     def get_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
-        def fetch(client: redis.Redis) -> list[list[bytes | None]]:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.hmget(self._name(key), ("h", "d", "t"))
-            return pipe.execute()
-
         results: list[bytes | None] = [None] * len(keys)
-        rows = self._link.run(fetch) if keys else []
-        if rows is None:
+        if not keys:
+            return results
+        values = self._link.run(lambda client: client.mget([self._name(key) for key in keys]))
+        if values is None:
             self._counters.add(misses=len(keys))
             return results
         now = self._clock()
+        check = self._codec.check
+        retention_s = self._retention_s
+        touch_interval = self._policy.touch_interval_s
         dead: list[tuple[ObjectKey, str]] = []
         touch: list[ObjectKey] = []
         hits = hit_bytes = 0
-        for i, (key, (header, payload, used)) in enumerate(zip(keys, rows)):
-            retention = self._retention(key.kind)
-            if header is None or retention is None:
+        for i, key in enumerate(keys):
+            value = values[i]
+            if value is None:
                 continue
+            values[i] = None  # freed after the copy below: the next copy reuses its memory
+            retention = retention_s[key.kind]
             try:
-                last_used = float(used)
-                self._codec.check_payload(self._codec.check_header(key, header), payload)
-            except (CorruptObject, TypeError, ValueError):
+                (last_used,) = _USED.unpack_from(value)
+                payload = check(key, value, _USED.size).tobytes()
+            except (CorruptObject, struct.error):
                 dead.append((key, "corrupt"))
                 continue
-            if now - last_used > retention:
+            if retention is None or not now - last_used <= retention:  # NaN: expired
                 dead.append((key, "expirations"))
                 continue
-            if now - last_used >= self._policy.touch_interval_s:
+            if now - last_used >= touch_interval:
                 touch.append(key)
             results[i] = payload
             hits += 1
@@ -99,7 +106,9 @@ class RedisTier(Tier):
         for key, _ in dead:
             pipe.delete(self._name(key))
         for key in touch:
-            pipe.hset(self._name(key), "t", repr(now))
+            # SETRANGE on a key deleted meanwhile leaves an 8-byte string; PEXPIRE bounds
+            # its life, and a read or GC deletes it sooner (too short to be an object).
+            pipe.setrange(self._name(key), 0, _USED.pack(now))
             pipe.pexpire(self._name(key), int(1000 * self._retention(key.kind)))
         pipe.execute()
 
@@ -109,14 +118,13 @@ class RedisTier(Tier):
     def put_many(self, items: Sequence[tuple[ObjectKey, bytes]]) -> list[bool]:
         """``put`` for each item in one pipelined round trip; all False if Redis is unreachable."""
         wanted = [(key, payload) for key, payload in items if self._retention(key.kind) is not None]
-        now = repr(self._clock())
+        used = _USED.pack(self._clock())
 
         def store(client: redis.Redis) -> bool:
             pipe = client.pipeline(transaction=False)
             for key, payload in wanted:
-                name = self._name(key)
-                pipe.hset(name, mapping={"h": self._codec.header(key, payload), "d": payload, "t": now})
-                pipe.pexpire(name, int(1000 * self._retention(key.kind)))
+                value = b"".join((used, self._codec.header(key, payload), payload))
+                pipe.set(self._name(key), value, px=int(1000 * self._retention(key.kind)))
             pipe.execute()
             return True
 
@@ -151,7 +159,7 @@ class RedisTier(Tier):
                 batch = names[start:start + _SCAN_BATCH]
                 used = self._link.run(lambda client: self._last_used(client, batch))
                 for name, last_used in zip(batch, used or ()):
-                    if last_used is not None and (retention is None or now - last_used > retention):
+                    if last_used is not None and (retention is None or not now - last_used <= retention):
                         expired.append(ObjectKey.from_hex(kind, name.decode().rsplit(":", 1)[1]))
         if expired:
             self._link.run(lambda client: client.delete(*(self._name(key) for key in expired)))
@@ -161,16 +169,18 @@ class RedisTier(Tier):
 
     @staticmethod
     def _last_used(client: redis.Redis, names: Sequence[bytes]) -> list[float | None]:
+        """Each object's last use; NaN for a value that is no object (debris), None if gone."""
         pipe = client.pipeline(transaction=False)
         for name in names:
-            pipe.hget(name, "t")
-        values = pipe.execute()
+            pipe.getrange(name, 0, _USED.size - 1)
         result: list[float | None] = []
-        for value in values:
-            try:
-                result.append(float(value))
-            except (TypeError, ValueError):
-                result.append(None)
+        for value in pipe.execute(raise_on_error=False):  # a hash of format 1 answers WRONGTYPE
+            if value == b"":
+                result.append(None)  # gone since the scan
+            elif isinstance(value, bytes) and len(value) == _USED.size:
+                result.append(_USED.unpack(value)[0])
+            else:
+                result.append(math.nan)
         return result
 
     def close(self) -> None:
