@@ -216,3 +216,24 @@ class EngramService:
             for actor in replicas:
                 ray.kill(actor, no_restart=True)
         self.actors = []
+
+
+class EngramServiceHolder:
+    """A detached actor that owns one deployment's shard actors, so that every router
+    replica shares them (the shards live as long as the holder)."""
+
+    def __init__(self, config: EngramServiceConfig):
+        self.service = EngramService.launch(config)
+
+    def client(self) -> EngramClient:
+        return self.service.client()
+
+    def placement(self) -> list[ShardPlacement]:
+        return self.service.placement()
+
+
+def shared_engram_service(config: EngramServiceConfig, name: str = "v41-engram", namespace: str = "v41"):
+    """The holder actor of the named Engram service, launched on first use."""
+    return ray.remote(EngramServiceHolder).options(
+        name=name, namespace=namespace, get_if_exists=True, lifetime="detached", num_cpus=0,
+    ).remote(config)

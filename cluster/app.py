@@ -58,6 +58,9 @@ class AppConfig:
     persist_window_states: bool = False
     api_key: str | None = None
     threads: int = 1
+    engram_shards: int = 0  # 0: Engram rows from in-process tables; N: a sharded table service
+    engram_replicas: int = 1
+    engram_resource: str = "engram_host"
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
@@ -67,8 +70,10 @@ class AppConfig:
         if unknown:
             raise ValueError(f"unknown application arguments: {', '.join(unknown)}")
         config = cls(**args)
+        if not isinstance(config.engram_shards, int) or config.engram_shards < 0:
+            raise ValueError(f"engram_shards must be a non-negative integer, got {config.engram_shards!r}")
         for name in ("prefill_replicas", "decoder_replicas", "max_batch", "max_tokens_default", "max_model_len",
-                     "chunk_tokens", "threads"):
+                     "chunk_tokens", "threads", "engram_replicas"):
             value = getattr(config, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -141,9 +146,12 @@ class PrefillPool:
         self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming)
         self.executor = _one_thread_executor()
 
-    async def prefill(self, plan, preferred_nodes: list[str] | None = None):
+    async def prefill(self, plan, preferred_nodes: list[str] | None = None, engram=None):
+        """``engram``: an Engram lookup the router started when the prompt arrived; its
+        rows are awaited only right before the first Engram layer."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.service.prefill, plan)
+        rows = engram.rows if engram is not None else None
+        return await loop.run_in_executor(self.executor, self.service.prefill, plan, rows)
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -238,6 +246,18 @@ class Router:
         # conversation re-renders them verbatim and its prefix stays cached.
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
         self.think_end = self.tokenizer.special.think_end
+        self.engram, self.hasher = None, None
+        if config.engram_shards:
+            import ray
+
+            from actors.engram import EngramServiceConfig, shared_engram_service
+            from model.loader import load_hasher
+
+            self.hasher = load_hasher(config.model, self.model_config)
+            holder = shared_engram_service(EngramServiceConfig(
+                checkpoint=str(Path(config.model).resolve()), n_shards=config.engram_shards,
+                replicas=config.engram_replicas, resource=config.engram_resource))
+            self.engram = ray.get(holder.client.remote())
 
     # ------------------------------------------------------------------ plumbing
     def _authorize(self, request: Request) -> None:
@@ -293,7 +313,12 @@ class Router:
             raise api.ApiError(400, f"this request needs {len(tokens) + request.params.max_tokens} tokens; the "
                                f"context is {self.config.max_model_len}", "messages", code="context_length_exceeded")
         plan = self._plan(tokens)
-        handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes))
+        lookup = None
+        if self.engram is not None:  # start fetching the rows now: they arrive while layer 0 runs
+            import torch
+
+            lookup = self.engram.start(self.hasher.hash_ids(torch.tensor([tokens]))[0][0])
+        handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes), engram=lookup)
         return self.decoder.options(stream=True).generate.remote(handoff, request.params, rid)
 
     # ------------------------------------------------------------------ endpoints
