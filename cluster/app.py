@@ -146,6 +146,12 @@ class PrefillPool:
         self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming)
         self.executor = _one_thread_executor()
 
+    def node(self) -> str:
+        """The Ray node this replica runs on (placement checks, tests)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def prefill(self, plan, preferred_nodes: list[str] | None = None, engram=None):
         """``engram``: an Engram lookup the router started when the prompt arrived; its
         rows are awaited only right before the first Engram layer."""
@@ -209,6 +215,11 @@ class DecoderPool:
 
     def running(self) -> int:
         return self.service.running
+
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
 
 fastapi_app = FastAPI(title="v41", docs_url=None, redoc_url=None)

@@ -1,0 +1,147 @@
+"""The Serve app end to end through the OpenAI SDK: chat, completions, streaming, stops,
+usage with cached tokens, errors, and a decoder replica killed mid-stream."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import ray
+
+from model.chat import ChatTemplate, Message, Tokenizer
+from model.engine import Engine
+from tests.serve_harness import GOLDEN, running_app
+
+pytestmark = pytest.mark.slow
+MODEL = "deepseek-v4.1-small"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    with running_app(tmp_path_factory.mktemp("serve"), exact_replay=True) as (url, redis):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return openai.OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_models_and_health(app, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with urllib.request.urlopen(f"{app}/health", timeout=10) as response:
+        assert response.read() == b"ok"
+
+
+def test_chat_streaming_equals_plain_and_counts_usage(client):
+    messages = [{"role": "user", "content": "class Queue:\n    def put(self, item):"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0)
+    assert plain.choices[0].finish_reason == "length"
+    assert plain.usage.completion_tokens == 7 and plain.usage.prompt_tokens > 10
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 7
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_completions_stop_string(client):
+    full = client.completions.create(model=MODEL, prompt="import os\nimport sys\n", max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    stop = text[4:7]
+    assert len(stop) == 3
+    cut = client.completions.create(model=MODEL, prompt="import os\nimport sys\n", max_tokens=12, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_second_turn_is_cached_and_equals_a_cold_exact_run(client):
+    first = [{"role": "user", "content": "def parse(path):\n    with open(path) as handle:\n" * 6}]
+    one = client.chat.completions.create(model=MODEL, messages=first, max_tokens=10, temperature=0)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                      {"role": "user", "content": "and the writer?"}]
+    time.sleep(1.0)  # the window state is written behind the response
+    two = client.chat.completions.create(model=MODEL, messages=second, max_tokens=10, temperature=0)
+    assert two.usage.prompt_tokens_details.cached_tokens > one.usage.prompt_tokens
+    # The same conversation, cold and exact, in-process.
+    from model.batcher import generate
+    from model.loader import load_hasher, load_model
+    from model.sampling import SamplingParams
+
+    config, model = load_model(GOLDEN)
+    engine = Engine(model, load_hasher(GOLDEN, config), bounded_replay=False)
+    template = ChatTemplate(Tokenizer.from_dir(GOLDEN))
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    prompt_one = template.render([Message("user", first[0]["content"])])
+    answer = generate(engine, [prompt_one], greedy, eos_token_ids=(1,))[0]
+    prompt_two = template.render([Message("user", first[0]["content"]), Message("assistant", token_ids=tuple(answer)),
+                                  Message("user", "and the writer?")])
+    cold = generate(engine, [prompt_two], greedy, eos_token_ids=(1,))[0]
+    assert two.choices[0].message.content == template.tokenizer.decode(cold, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("body, status, code", [
+    (b"{not json", 400, None),
+    (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model_not_found"),
+    (json.dumps({"model": MODEL, "messages": []}).encode(), 400, None),
+    (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, None),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), 400, None),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 7}).encode(), 400, None),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "huge"}).encode(),
+     400, None),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}).encode(),
+     400, "context_length_exceeded"),
+])
+def test_bad_requests_are_4xx_with_a_message(app, body, status, code):
+    got, payload = _post(f"{app}/v1/chat/completions", body)
+    assert got == status
+    assert payload["error"]["message"] and payload["error"]["code"] == code
+
+
+def test_killed_decoder_mid_stream_gives_an_error_and_caches_nothing(client):
+    messages = [{"role": "user", "content": "while True:\n    x = queue.get()\n" * 4}]
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
+                                            stream=True)
+    chunks = iter(stream)
+    assert next(chunks).choices[0].delta.role == "assistant"
+    assert next(chunks).choices[0].delta.content is not None  # decoding has started
+    replica = ray.get_actor(_replica_actor_name("DecoderPool"), namespace="serve")
+    ray.kill(replica, no_restart=True)
+    with pytest.raises(Exception):
+        for _ in chunks:  # the stream ends with an error object, which the SDK raises
+            pass
+    # Serve replaces the replica; the next request succeeds and nothing was cached.
+    deadline = time.time() + 90
+    while True:
+        try:
+            again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+            break
+        except openai.APIError:
+            if time.time() > deadline:
+                raise
+            time.sleep(2)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _replica_actor_name(deployment: str) -> str:
+    from ray.util import list_named_actors
+
+    names = [a["name"] for a in list_named_actors(all_namespaces=True) if deployment in a["name"]]
+    assert names, f"no replica of {deployment}"
+    return names[0]
