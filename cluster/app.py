@@ -31,7 +31,17 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster import openai_api as api
 
-DEFAULT_MODEL = "tests/golden/A"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = str(PROJECT_ROOT / "tests" / "golden" / "A")
+
+
+def resolve_model(path: str) -> Path:
+    """A checkpoint path as given, or relative to the project root (Serve replicas do
+    not run in the directory a YAML was deployed from)."""
+    candidate = Path(path)
+    if candidate.is_absolute() or (candidate / "config.json").exists():
+        return candidate.resolve()
+    return PROJECT_ROOT / candidate
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class AppConfig:
     engram_shards: int = 0  # 0: Engram rows from in-process tables; N: a sharded table service
     engram_replicas: int = 1
     engram_resource: str = "engram_host"
+    engram_cpus: float = 1.0
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
@@ -69,6 +80,7 @@ class AppConfig:
         unknown = sorted(set(args) - names)
         if unknown:
             raise ValueError(f"unknown application arguments: {', '.join(unknown)}")
+        args["model"] = str(resolve_model(args.get("model", DEFAULT_MODEL)))
         config = cls(**args)
         if not isinstance(config.engram_shards, int) or config.engram_shards < 0:
             raise ValueError(f"engram_shards must be a non-negative integer, got {config.engram_shards!r}")
@@ -267,7 +279,7 @@ class Router:
             self.hasher = load_hasher(config.model, self.model_config)
             holder = shared_engram_service(EngramServiceConfig(
                 checkpoint=str(Path(config.model).resolve()), n_shards=config.engram_shards,
-                replicas=config.engram_replicas, resource=config.engram_resource))
+                replicas=config.engram_replicas, resource=config.engram_resource, num_cpus=config.engram_cpus))
             self.engram = ray.get(holder.client.remote())
 
     # ------------------------------------------------------------------ plumbing

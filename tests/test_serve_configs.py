@@ -1,0 +1,35 @@
+"""The deploy configs parse as Serve configs and their arguments validate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.app import AppConfig, resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["serve-local.yaml", "serve-cluster.yaml"])
+def test_deploy_configs_parse(name):
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "configs" / name).read_text()))
+    (app,) = schema.applications
+    assert app.import_path == "cluster.app:build_app"
+    args = dict(app.args)
+    if name == "serve-cluster.yaml":  # its model lives on the cluster's nodes
+        args["model"] = "tests/golden/A"
+    config = AppConfig.from_args(args)
+    assert Path(config.model).is_absolute() and (Path(config.model) / "config.json").exists()
+
+
+def test_app_arguments_are_validated():
+    with pytest.raises(ValueError, match="unknown"):
+        AppConfig.from_args({"modle": "x"})
+    with pytest.raises(ValueError, match="decoder_replicas"):
+        AppConfig.from_args({"decoder_replicas": 0})
+    with pytest.raises(ValueError, match="no checkpoint"):
+        AppConfig.from_args({"model": "/nonexistent"})
+    assert resolve_model("tests/golden/A") == ROOT / "tests" / "golden" / "A"
