@@ -14,6 +14,7 @@ import importlib
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("cluster.bench.engine", "decode step time against context, CED prefill against full depth"),
     "replay": ("cluster.bench.replay", "drift of the bounded replays against the exact path"),
+    "serve": ("cluster.bench.serve", "TTFT and tokens/s through HTTP, returning turn against cold, Serve overhead"),
     "store": ("cluster.bench.store", "tiered store GET/PUT throughput against the raw tiers"),
     "engram": ("cluster.bench.engram", "Engram service lookups and prefill with prefetch against in-process tables"),
 }

@@ -1,0 +1,185 @@
+"""`v41 bench serve`: the HTTP path measured against itself and against the engine.
+
+Starts the app on this machine (a local Ray instance, an embedded Redis, RAM and SSD
+tiers), then measures through HTTP:
+
+- **concurrency**: N clients at once, each streaming ``--tokens`` tokens: time to
+  first token (p50) and aggregate tokens/s;
+- **returning turn**: a conversation with a long history (``--history`` tokens) is
+  answered once; its next turn (history + answer + a short message) is timed to
+  first token, against a cold run of a prompt of the same shape that nothing cached;
+- **Serve overhead**: the latency of a one-token request through HTTP minus the same
+  request run in-process on the engine (prefill, replay, sample), p50 over
+  interleaved repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: as v41 serve)")
+    parser.add_argument("--clients", default="1,4,8", help="concurrency levels")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--history", type=int, default=16384, help="history tokens of the returning turn")
+    parser.add_argument("--repeats", type=int, default=20, help="overhead repetitions")
+
+
+async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dict]:
+    """(seconds to first token, tokens, total seconds, usage) of one streamed request."""
+    start = time.perf_counter()
+    first, tokens, usage = None, 0, {}
+    async with session.post(url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"HTTP {reply.status}: {await reply.text()}")
+        async for raw in reply.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice["delta"].get("content"):
+                    first = first or time.perf_counter()
+                    tokens += 1
+    end = time.perf_counter()
+    return (first or end) - start, tokens, end - start, usage
+
+
+def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
+    """Python-looking text of about ``n_tokens`` tokens, unique per ``nonce``."""
+    unit = "".join(f"def handler_{i}(request):\n    return request.get('{nonce}-{i}')\n\n" for i in range(40))
+    per_unit = len(tokenizer.encode(unit))
+    return unit * max(1, n_tokens // per_unit)
+
+
+async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
+    import aiohttp
+
+    chat = f"{url}/v1/chat/completions"
+    results: dict = {"concurrency": {}}
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        base = {"model": model_name, "max_tokens": args.tokens, "temperature": 0}
+        await _stream(session, chat, {**base, "messages": [{"role": "user", "content": "warm up"}]})
+        for n in [int(c) for c in args.clients.split(",")]:
+            start = time.perf_counter()
+            runs = await asyncio.gather(*[
+                _stream(session, chat, {**base, "messages": [{"role": "user", "content": f"def client_{n}_{i}():"}]})
+                for i in range(n)])
+            wall = time.perf_counter() - start
+            results["concurrency"][n] = {
+                "ttft_ms_p50": 1e3 * statistics.median(r[0] for r in runs),
+                "tokens_per_s": sum(r[1] for r in runs) / wall,
+            }
+        # Returning turn against cold.
+        short = {"model": model_name, "max_tokens": 4, "temperature": 0}
+        turn_one = [{"role": "user", "content": _history_text(tokenizer, args.history, "a")}]
+        _, _, _, _ = await _stream(session, chat, {**short, "messages": turn_one})
+        answer = (await (await session.post(chat, json={**short, "messages": turn_one})).json())
+        answer_text = answer["choices"][0]["message"]["content"]
+        await asyncio.sleep(1.0)  # the window state is written behind the first answer
+        follow = [{"role": "assistant", "content": answer_text}, {"role": "user", "content": "and then?"}]
+        returning = await _stream(session, chat, {**short, "messages": turn_one + follow})
+        cold_prompt = [{"role": "user", "content": _history_text(tokenizer, args.history, "b")}] + follow
+        cold = await _stream(session, chat, {**short, "messages": cold_prompt})
+        results["returning"] = {"ttft_s": returning[0], "cached_tokens": returning[3].get("prompt_tokens_details", {})
+                                .get("cached_tokens", 0), "prompt_tokens": returning[3].get("prompt_tokens", 0)}
+        results["cold"] = {"ttft_s": cold[0], "prompt_tokens": cold[3].get("prompt_tokens", 0)}
+        # Serve overhead: one-token requests, HTTP against in-process, interleaved.
+        one = {"model": model_name, "max_tokens": 1, "temperature": 0,
+               "messages": [{"role": "user", "content": "x = 1"}]}
+        http = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            async with session.post(chat, json=one) as reply:
+                await reply.read()
+            http.append(time.perf_counter() - start)
+        results["http_one_token_s"] = http
+    return results
+
+
+def _in_process_one_token(model_dir: Path, repeats: int) -> list[float]:
+    from model.chat import ChatTemplate, Message, Tokenizer
+    from model.engine import Engine
+    from model.loader import load_hasher, load_model
+
+    config, model = load_model(model_dir)
+    engine = Engine(model, load_hasher(model_dir, config))
+    prompt = ChatTemplate(Tokenizer.from_dir(model_dir)).render([Message("user", "x = 1")])
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        cache = engine.new_cache()
+        int(engine.replay(cache, engine.prefill(cache, prompt)).argmax())
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.cli import UserError
+    from cluster.commands.serve import default_model
+    from model.chat import Tokenizer
+    from storage.redis_server import RedisServer, free_port
+
+    model = args.model or default_model()
+    if not (model / "config.json").exists():
+        raise UserError(f"no checkpoint at {model}")
+    tokenizer = Tokenizer.from_dir(model)
+    in_process = _in_process_one_token(model, args.repeats)
+    redis = RedisServer()
+    redis.start()
+    port = free_port()
+    try:
+        ray.init(namespace="v41", object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        with tempfile.TemporaryDirectory() as cache_dir:
+            app = build_app({"model": str(model), "redis_url": redis.url, "ssd_dir": cache_dir + "/{node}",
+                             "max_model_len": args.history * 2 + 1024})
+            serve.run(app, name="v41", route_prefix="/")
+            from cluster.app import AppConfig
+
+            name = AppConfig.from_args({"model": str(model)}).model_name
+            results = asyncio.run(_measure(f"http://127.0.0.1:{port}", args, name, tokenizer))
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            redis.stop()
+    overhead_ms = 1e3 * (statistics.median(results["http_one_token_s"]) - statistics.median(in_process))
+    ratio = results["returning"]["ttft_s"] / results["cold"]["ttft_s"]
+    print(f"v41 bench serve: {model}")
+    print(f"{'clients':>8}  {'TTFT p50 ms':>12}  {'tokens/s':>9}")
+    for n, row in results["concurrency"].items():
+        print(f"{n:>8}  {row['ttft_ms_p50']:>12.1f}  {row['tokens_per_s']:>9.1f}")
+    print(f"\nreturning turn: TTFT {results['returning']['ttft_s']:.3f} s "
+          f"({results['returning']['cached_tokens']} of {results['returning']['prompt_tokens']} prompt tokens cached)")
+    print(f"cold run:       TTFT {results['cold']['ttft_s']:.3f} s ({results['cold']['prompt_tokens']} prompt tokens)")
+    print(f"returning / cold TTFT: {ratio:.4f}")
+    print(f"\none-token request: HTTP p50 {1e3 * statistics.median(results['http_one_token_s']):.1f} ms, "
+          f"in-process p50 {1e3 * statistics.median(in_process):.1f} ms, Serve overhead {overhead_ms:.1f} ms")
+    if args.json:
+        best = max(results["concurrency"].values(), key=lambda row: row["tokens_per_s"])
+        print(json.dumps({
+            "returning_over_cold_ttft": round(ratio, 4),
+            "serve_overhead_ms_p50": round(overhead_ms, 2),
+            "tokens_per_s": round(best["tokens_per_s"], 2),
+            "concurrency": results["concurrency"],
+            "returning": results["returning"], "cold": results["cold"],
+        }))
+    return 0
