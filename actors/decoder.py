@@ -4,10 +4,14 @@
 handoffs from the prefill pool into a :class:`model.batcher.Batcher`, steps the
 batch, and when a request ends normally writes the conversation's new whole chunks
 and its window state to the node's store. A request that fails or is cancelled
-writes nothing, so the store never holds a partial conversation.
+writes nothing, so the store never holds a partial conversation. Writes are
+deferred to :meth:`DecoderService.write_pending`, which the replica runs after the
+tokens went out, so serialising a conversation never delays its last token.
 """
 
 from __future__ import annotations
+
+import time
 
 from model.batcher import Batcher, TokenEvent
 from model.cache import SequenceCache
@@ -26,8 +30,10 @@ class DecoderService:
     def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming, tokenizer: Tokenizer | None = None,
                  eos_token_ids: tuple[int, ...] = (), max_batch: int = 32):
         self.engine, self.store, self.naming = engine, store, naming
-        self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._write_back)
+        self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._finished)
         self._requests: dict[str, Handoff] = {}
+        self._pending: list[tuple[Handoff, SequenceCache, list[int]]] = []
+        self.last_admit_s = 0.0
 
     def admit(self, request_id: str, handoff: Handoff, params: SamplingParams) -> TokenEvent:
         """Load a handoff, replay the decoder half, and return the first token."""
@@ -35,9 +41,11 @@ class DecoderService:
         load_window(cache, handoff.state, self.naming.identity)
         inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids)
         self._requests[request_id] = handoff
+        start = time.perf_counter()
         try:
             return self.batcher.add(request_id, params, cache=cache, inputs=inputs)
         finally:
+            self.last_admit_s = time.perf_counter() - start
             if request_id not in self.batcher.running:
                 self._requests.pop(request_id, None)
 
@@ -52,11 +60,18 @@ class DecoderService:
     def running(self) -> int:
         return len(self.batcher.running)
 
-    def _write_back(self, request_id: str, cache: SequenceCache, generated: list[int]) -> None:
-        """Store the conversation's new whole chunks and its window state."""
+    def _finished(self, request_id: str, cache: SequenceCache, generated: list[int]) -> None:
         handoff = self._requests.pop(request_id, None)
-        if handoff is None:
-            return
+        if handoff is not None:
+            self._pending.append((handoff, cache, generated))
+
+    def write_pending(self) -> None:
+        """Store every finished conversation's new whole chunks and window state."""
+        pending, self._pending = self._pending, []
+        for handoff, cache, generated in pending:
+            self._write_back(handoff, cache, generated)
+
+    def _write_back(self, handoff: Handoff, cache: SequenceCache, generated: list[int]) -> None:
         tokens = list(handoff.token_ids) + generated[:-1]  # the last token was never fed
         if len(tokens) != cache.length:
             raise RuntimeError(f"cache holds {cache.length} tokens, the conversation {len(tokens)}")

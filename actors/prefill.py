@@ -13,6 +13,7 @@ decoder input.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -45,6 +46,7 @@ class PrefillService:
         tokens = list(plan.token_ids)
         if not tokens:
             raise ValueError("empty prompt")
+        start = time.perf_counter()
         cache, chunks_read = self._load_chunks(tokens, plan.cached_chunks)
         chunked = cache.length
         # Leave at least one token to encode: the decoder needs its input streams.
@@ -67,6 +69,7 @@ class PrefillService:
             replay_ids=inputs.token_ids,
             cached_tokens=cached,
             stored_chunks=chunks_read,
+            prefill_s=time.perf_counter() - start,
         )
 
     def _load_chunks(self, tokens: list[int], planned: int):

@@ -77,3 +77,4 @@ class Handoff:
     replay_ids: torch.Tensor
     cached_tokens: int
     stored_chunks: int
+    prefill_s: float = 0.0  # time the prefill replica spent on it (the Serve-overhead bench)

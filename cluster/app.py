@@ -193,7 +193,8 @@ class DecoderPool:
         self.queues[request_id] = queue
         try:
             first = await loop.run_in_executor(self.executor, self.service.admit, request_id, handoff, params)
-            yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids)}
+            yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
+                   "replica_s": handoff.prefill_s + self.service.last_admit_s}
             yield dataclasses.asdict(first)
             if first.finish_reason is not None:
                 return
@@ -210,6 +211,8 @@ class DecoderPool:
             self.queues.pop(request_id, None)
             if request_id in self.service.batcher.running:  # client gone: drop the request
                 await loop.run_in_executor(self.executor, self.service.cancel, request_id)
+            # Store finished conversations now that their tokens are out (same engine thread).
+            loop.run_in_executor(self.executor, self.service.write_pending)
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -389,16 +392,19 @@ class Router:
             return JSONResponse(body, status_code=503)
         usage = api.usage(len(tokens), len(result["tokens"]), result["cached"])
         if chat:
-            return api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
+            body = api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
                                      result["finish"], usage)
-        return api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage)
+        else:
+            body = api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage)
+        # Time the replicas spent computing the first token (prefill, replay, sample).
+        return JSONResponse(body, headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}"})
 
     async def _collect(self, stream, request: api.GenerationRequest) -> dict:
-        tokens, parts, reasoning_parts, cached, finish = [], [], [], 0, "stop"
+        tokens, parts, reasoning_parts, cached, finish, replica_s = [], [], [], 0, "stop", 0.0
         in_thinking = request.thinking
         async for event in stream:
             if "cached_tokens" in event:
-                cached = event["cached_tokens"]
+                cached, replica_s = event["cached_tokens"], event["replica_s"]
                 continue
             tokens.append(event["token_id"])
             if in_thinking and event["token_id"] == self.think_end:
@@ -413,7 +419,8 @@ class Router:
         reasoning = "".join(reasoning_parts) if request.thinking else None
         if request.messages:
             self._remember(reasoning, content, tokens)
-        return {"tokens": tokens, "content": content, "reasoning": reasoning, "cached": cached, "finish": finish}
+        return {"tokens": tokens, "content": content, "reasoning": reasoning, "cached": cached, "finish": finish,
+                "replica_s": replica_s}
 
     async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool):
         model, prompt_tokens, cached, tokens = self.config.model_name, 0, 0, []

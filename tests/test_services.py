@@ -44,6 +44,7 @@ def _run(engine, store, naming, tokens, n=12):
     events = [decoder.admit("r", handoff, params)]
     while decoder.running:
         events += decoder.step()
+    decoder.write_pending()
     return handoff, [e.token_id for e in events]
 
 
