@@ -199,6 +199,18 @@ def visible_entries(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Te
     return entries < ((q_pos.long() + 1) // ratio).unsqueeze(-1)
 
 
+def _top_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int, block: int):
+    """Block scores (best entry of each block; the newest visible block pinned to +inf)
+    and their top ``topk_blocks``: returns (topk values, topk block indices)."""
+    width = scores.shape[-1]
+    padded = F.pad(scores, (0, -width % block), value=float("-inf"))
+    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    n_blocks = block_scores.shape[-1]
+    newest = ((n_visible - 1) // block).unsqueeze(-1)
+    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
+    return block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
+
+
 def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
     """The hierarchical sparse indexer's first level.
 
@@ -208,13 +220,10 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks:
     ``topk_blocks`` reachable blocks form the pool. Returns bool [..., T].
     """
     width = scores.shape[-1]
-    padded = F.pad(scores, (0, -width % block), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
-    n_blocks = block_scores.shape[-1]
-    newest = ((n_visible - 1) // block).unsqueeze(-1)
-    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
-    top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    top = _top_blocks(scores, n_visible, topk_blocks, block)
+    n_blocks = -(-width // block)
+    keep = torch.zeros(*scores.shape[:-1], n_blocks, dtype=torch.bool, device=scores.device)
+    keep.scatter_(-1, top.indices, top.values > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :width]
 
 
@@ -227,12 +236,7 @@ def candidate_entries(
     scores only its candidates (its cost stops growing with the context).
     """
     width = scores.shape[-1]
-    padded = F.pad(scores, (0, -width % block), value=float("-inf"))
-    block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
-    n_blocks = block_scores.shape[-1]
-    newest = ((n_visible - 1) // block).unsqueeze(-1)
-    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
-    top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
+    top = _top_blocks(scores, n_visible, topk_blocks, block)
     entries = (top.indices.unsqueeze(-1) * block + torch.arange(block, device=scores.device)).flatten(-2)
     valid = (top.values > float("-inf")).repeat_interleave(block, dim=-1) & (entries < width)
     return entries.clamp_max(width - 1), valid

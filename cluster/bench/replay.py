@@ -56,17 +56,10 @@ def _compare(exact_logits, bounded_logits, exact_tokens, bounded_tokens) -> dict
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from cluster.cli import UserError
-    from cluster.commands.forward import read_id_lists
-    from model.config import ConfigError
+    from cluster.commands.forward import load_or_fail, read_id_lists
     from model.engine import Engine
-    from model.loader import CheckpointError, load_hasher, load_model
 
-    try:
-        config, model = load_model(args.checkpoint)
-        hasher = load_hasher(args.checkpoint, config)
-    except (ConfigError, CheckpointError) as error:
-        raise UserError(str(error)) from None
+    config, model, hasher = load_or_fail(args.checkpoint)
     vocab = config.text.vocab_size
     generator = torch.Generator().manual_seed(0)
     if args.ids is not None:

@@ -36,19 +36,24 @@ def read_id_lists(path: Path, vocab_size: int) -> list[list[int]]:
     return lists
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-    from safetensors.torch import save_file
-
+def load_or_fail(checkpoint: Path):
+    """(config, backbone, hasher) of a checkpoint; a bad one is a UserError."""
     from cluster.cli import UserError
     from model.config import ConfigError
     from model.loader import CheckpointError, load_hasher, load_model
 
     try:
-        config, model = load_model(args.checkpoint)
-        hasher = load_hasher(args.checkpoint, config)
-    except (ConfigError, CheckpointError) as error:
+        config, model = load_model(checkpoint)
+        return config, model, load_hasher(checkpoint, config)
+    except (ConfigError, CheckpointError, OSError) as error:
         raise UserError(str(error)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    config, model, hasher = load_or_fail(args.checkpoint)
     lists = read_id_lists(args.ids, config.text.vocab_size)
     out = {}
     for i, ids in enumerate(lists):

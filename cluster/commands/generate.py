@@ -30,23 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.cli import UserError
-    from cluster.commands.forward import read_id_lists
+    from cluster.commands.forward import load_or_fail, read_id_lists
     from model.batcher import generate
     from model.chat import ChatTemplate, Message, Tokenizer
-    from model.config import ConfigError
     from model.engine import Engine
-    from model.loader import CheckpointError, load_hasher, load_model
     from model.sampling import SamplingParams, SamplingParamsError
 
+    config, model, hasher = load_or_fail(args.checkpoint)
     try:
-        config, model = load_model(args.checkpoint)
-        hasher = load_hasher(args.checkpoint, config)
         tokenizer = Tokenizer.from_dir(args.checkpoint)
         params = SamplingParams(
             temperature=0.0 if args.greedy else args.temperature, top_p=args.top_p, seed=args.seed,
             max_tokens=args.max_new_tokens,
         )
-    except (ConfigError, CheckpointError, SamplingParamsError, OSError) as error:
+    except (SamplingParamsError, OSError) as error:
         raise UserError(str(error)) from None
     if args.prompt is not None:
         prompts = [ChatTemplate(tokenizer).render([Message("user", args.prompt)])]
