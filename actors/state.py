@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from model.serialize import StateIdentity, chunk_granularity
-from storage.keys import Fingerprint, ObjectKey, chunk_keys, window_key
+from storage.keys import Fingerprint, ObjectKey, chunk_keys, window_key, window_keys_after
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,7 @@ class StateNaming:
         """(length, key) of every window state a prompt could resume from after its
         first ``chunked`` tokens (the conversation's previous turn ended somewhere in
         the next chunk), longest first."""
-        last = min(len(token_ids), chunked + self.chunk_tokens - 1)
-        return [(n, self.window(token_ids[:n])) for n in range(last, chunked - 1, -1)]
+        return window_keys_after(self.fingerprint, token_ids, self.chunk_tokens, chunked)
 
 
 @dataclass(frozen=True)

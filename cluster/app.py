@@ -187,15 +187,15 @@ class DecoderPool:
         self.stepping: asyncio.Task | None = None
 
     async def generate(self, handoff, params, request_id: str):
-        """Yields ``{"cached_tokens": n}`` first, then one dict per generated token."""
+        """Yields one dict per generated token; the first also carries ``cached_tokens``,
+        ``prompt_tokens`` and ``replica_s`` (one stream item fewer per request)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:
             first = await loop.run_in_executor(self.executor, self.service.admit, request_id, handoff, params)
             yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
-                   "replica_s": handoff.prefill_s + self.service.last_admit_s}
-            yield dataclasses.asdict(first)
+                   "replica_s": handoff.prefill_s + self.service.last_admit_s, **dataclasses.asdict(first)}
             if first.finish_reason is not None:
                 return
             if self.stepping is None or self.stepping.done():
@@ -405,7 +405,6 @@ class Router:
         async for event in stream:
             if "cached_tokens" in event:
                 cached, replica_s = event["cached_tokens"], event["replica_s"]
-                continue
             tokens.append(event["token_id"])
             if in_thinking and event["token_id"] == self.think_end:
                 in_thinking = False
@@ -432,7 +431,6 @@ class Router:
             async for event in stream:
                 if "cached_tokens" in event:
                     cached, prompt_tokens = event["cached_tokens"], event["prompt_tokens"]
-                    continue
                 tokens.append(event["token_id"])
                 text = event["text"]
                 if in_thinking and event["token_id"] == self.think_end:

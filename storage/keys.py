@@ -143,3 +143,19 @@ def window_key(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, 
     parent = chunks[-1].digest if chunks else _ROOT
     start = len(chunks) * chunk_tokens
     return ObjectKey(Kind.WINDOW, _link(b"v41-window", fingerprint, parent, ids[start:], media, start))
+
+
+def window_keys_after(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
+                      chunked: int, media: Sequence[MediaSpan] = ()) -> list[tuple[int, ObjectKey]]:
+    """``(n, window_key(token_ids[:n]))`` for every ``n`` from ``chunked`` (a chunk
+    boundary) up to the next boundary or the end, longest first: the window states a
+    prompt could resume from after its first ``chunked`` tokens, with the chunk chain
+    hashed once."""
+    if chunked % chunk_tokens:
+        raise ValueError("chunked must be a multiple of chunk_tokens")
+    ids = _as_ids(token_ids)
+    chunks = chunk_keys(fingerprint, ids[:chunked], chunk_tokens, media)
+    parent = chunks[-1].digest if chunks else _ROOT
+    last = min(len(ids), chunked + chunk_tokens - 1)
+    return [(n, ObjectKey(Kind.WINDOW, _link(b"v41-window", fingerprint, parent, ids[chunked:n], media, chunked)))
+            for n in range(last, chunked - 1, -1)]

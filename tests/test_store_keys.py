@@ -148,3 +148,14 @@ def test_changes_that_cancel_inside_a_page_are_caught() -> None:
         assert bad != payload and _page_word_sums(bad) == _page_word_sums(payload)  # format 1 missed these
         with pytest.raises(CorruptObject, match="payload checksum"):
             _open(codec, key, blob[:HEADER_BYTES] + bad)
+
+
+def test_window_keys_after_equal_window_key_of_each_prefix():
+    from storage.keys import Fingerprint, window_key, window_keys_after
+
+    fp = Fingerprint.of("m", {"a": 1})
+    ids = list(range(100, 300))
+    for chunked in (0, 64, 192):
+        listed = window_keys_after(fp, ids, 64, chunked)
+        assert [n for n, _ in listed] == list(range(min(len(ids), chunked + 63), chunked - 1, -1))
+        assert all(key == window_key(fp, ids[:n], 64) for n, key in listed)
