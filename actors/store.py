@@ -36,8 +36,20 @@ class StoreSettings:
 class StoreActor:
     """A node's tiered store, as a Ray actor."""
 
-    def __init__(self, settings: StoreSettings, fingerprint: bytes, node_id: str):
+    def __init__(self, settings: StoreSettings, fingerprint: bytes, node_id: str, metrics_interval_s: float = 10.0):
+        import threading
+
+        from cluster.metrics import StoreMetrics
+
         self.store = TieredStore(settings.for_node(node_id), Fingerprint(fingerprint))
+        self._metrics = StoreMetrics()
+        self._stop = threading.Event()
+
+        def export() -> None:  # hits, misses and bytes per tier, for Prometheus
+            while not self._stop.wait(metrics_interval_s):
+                self._metrics.export(self.store.stats())
+
+        threading.Thread(target=export, name="store-metrics", daemon=True).start()
 
     def get_many(self, keys: list[ObjectKey]) -> list[bytes | None]:
         return self.store.get_many(keys)

@@ -154,9 +154,12 @@ class PrefillPool:
     def __init__(self, config: AppConfig):
         from actors.prefill import PrefillService
 
+        from cluster.metrics import PrefillMetrics
+
         bundle = ModelBundle(config, drop_decoder=True)
         self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming)
         self.executor = _one_thread_executor()
+        self.metrics = PrefillMetrics()
 
     def node(self) -> str:
         """The Ray node this replica runs on (placement checks, tests)."""
@@ -168,8 +171,17 @@ class PrefillPool:
         """``engram``: an Engram lookup the router started when the prompt arrived; its
         rows are awaited only right before the first Engram layer."""
         loop = asyncio.get_running_loop()
-        rows = engram.rows if engram is not None else None
-        return await loop.run_in_executor(self.executor, self.service.prefill, plan, rows)
+        rows = None
+        if engram is not None:
+            def rows():
+                start = time.perf_counter()
+                try:
+                    return engram.rows()
+                finally:
+                    self.metrics.engram_wait.observe(time.perf_counter() - start)
+        handoff = await loop.run_in_executor(self.executor, self.service.prefill, plan, rows)
+        self.metrics.prefill.observe(handoff.prefill_s)
+        return handoff
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -183,6 +195,9 @@ class DecoderPool:
         self.service = DecoderService(bundle.engine, bundle.store(config), bundle.naming, bundle.tokenizer,
                                       bundle.eos_ids, config.max_batch)
         self.executor = _one_thread_executor()
+        from cluster.metrics import DecoderMetrics
+
+        self.metrics = DecoderMetrics()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stepping: asyncio.Task | None = None
 
@@ -223,6 +238,8 @@ class DecoderPool:
                 for queue in self.queues.values():
                     queue.put_nowait(error)
                 return
+            self.metrics.batch.observe(len(events))
+            self.metrics.running.set(self.service.running)
             for event in events:
                 queue = self.queues.get(event.request_id)
                 if queue is not None:
@@ -272,6 +289,9 @@ class Router:
         # conversation re-renders them verbatim and its prefix stays cached.
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
         self.think_end = self.tokenizer.special.think_end
+        from cluster.metrics import RouterMetrics
+
+        self.metrics = RouterMetrics()
         self.engram, self.hasher = None, None
         if config.engram_shards:
             import ray
@@ -370,6 +390,7 @@ class Router:
         return await self._serve(request, chat=False)
 
     async def _serve(self, request: Request, chat: bool):
+        endpoint, start = ("chat" if chat else "completions"), time.perf_counter()
         try:
             self._authorize(request)
             data = api.parse_json(await request.body())
@@ -382,14 +403,18 @@ class Router:
             rid = api.new_id("chatcmpl" if chat else "cmpl")
             stream = await self._events(parsed, tokens, rid)
         except api.ApiError as error:
+            self.metrics.record(endpoint, str(error.status))
             return JSONResponse(error.body(), status_code=error.status)
         if parsed.stream:
-            return StreamingResponse(self._sse(stream, parsed, rid, chat), media_type="text/event-stream")
+            return StreamingResponse(self._sse(stream, parsed, rid, chat, start), media_type="text/event-stream")
         try:
-            result = await self._collect(stream, parsed)
+            result = await self._collect(stream, parsed, start)
         except Exception as error:  # the decoder died or failed: a clear error, nothing cached
+            self.metrics.record(endpoint, "503")
             body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
             return JSONResponse(body, status_code=503)
+        self.metrics.record(endpoint, "200", len(tokens), result["cached"], len(result["tokens"]),
+                            result["ttft"], time.perf_counter() - start)
         usage = api.usage(len(tokens), len(result["tokens"]), result["cached"])
         if chat:
             body = api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
@@ -399,12 +424,13 @@ class Router:
         # Time the replicas spent computing the first token (prefill, replay, sample).
         return JSONResponse(body, headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}"})
 
-    async def _collect(self, stream, request: api.GenerationRequest) -> dict:
+    async def _collect(self, stream, request: api.GenerationRequest, start: float) -> dict:
         tokens, parts, reasoning_parts, cached, finish, replica_s = [], [], [], 0, "stop", 0.0
-        in_thinking = request.thinking
+        in_thinking, ttft = request.thinking, None
         async for event in stream:
             if "cached_tokens" in event:
                 cached, replica_s = event["cached_tokens"], event["replica_s"]
+                ttft = time.perf_counter() - start
             tokens.append(event["token_id"])
             if in_thinking and event["token_id"] == self.think_end:
                 in_thinking = False
@@ -419,10 +445,11 @@ class Router:
         if request.messages:
             self._remember(reasoning, content, tokens)
         return {"tokens": tokens, "content": content, "reasoning": reasoning, "cached": cached, "finish": finish,
-                "replica_s": replica_s}
+                "replica_s": replica_s, "ttft": ttft}
 
-    async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool):
-        model, prompt_tokens, cached, tokens = self.config.model_name, 0, 0, []
+    async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool, start: float):
+        model, prompt_tokens, cached, tokens, ttft = self.config.model_name, 0, 0, [], None
+        endpoint = "chat" if chat else "completions"
         in_thinking = request.thinking
         parts, reasoning_parts = [], []
         try:
@@ -431,6 +458,7 @@ class Router:
             async for event in stream:
                 if "cached_tokens" in event:
                     cached, prompt_tokens = event["cached_tokens"], event["prompt_tokens"]
+                    ttft = time.perf_counter() - start
                 tokens.append(event["token_id"])
                 text = event["text"]
                 if in_thinking and event["token_id"] == self.think_end:
@@ -457,7 +485,9 @@ class Router:
                 yield api.sse(chunk)
             if request.messages:
                 self._remember("".join(reasoning_parts) if request.thinking else None, "".join(parts), tokens)
+            self.metrics.record(endpoint, "200", prompt_tokens, cached, len(tokens), ttft, time.perf_counter() - start)
         except Exception as error:  # mid-stream failure: tell the client, end the stream
+            self.metrics.record(endpoint, "503")
             yield api.sse(api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body())
         yield api.sse("[DONE]")
 

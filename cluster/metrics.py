@@ -1,0 +1,76 @@
+"""Prometheus metrics through Ray (``ray.util.metrics``), scraped from Ray's metrics port.
+
+One small class per process kind, created inside the replica or actor that reports
+them (Ray metrics must be built in a Ray worker). Names start with ``v41_``.
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+_LATENCY_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+class RouterMetrics:
+    """Per request: time to first token, time per output token, tokens, cache hits."""
+
+    def __init__(self) -> None:
+        self.ttft = metrics.Histogram("v41_ttft_seconds", "time to first token", boundaries=_LATENCY_BOUNDS,
+                                      tag_keys=("endpoint",))
+        self.tpot = metrics.Histogram("v41_time_per_output_token_seconds", "time per output token after the first",
+                                      boundaries=_LATENCY_BOUNDS, tag_keys=("endpoint",))
+        self.requests = metrics.Counter("v41_requests_total", "requests by endpoint and status",
+                                        tag_keys=("endpoint", "status"))
+        self.prompt_tokens = metrics.Counter("v41_prompt_tokens_total", "prompt tokens")
+        self.cached_tokens = metrics.Counter("v41_cached_prompt_tokens_total", "prompt tokens read from the store")
+        self.output_tokens = metrics.Counter("v41_output_tokens_total", "generated tokens")
+
+    def record(self, endpoint: str, status: str, prompt: int = 0, cached: int = 0, output: int = 0,
+               ttft: float | None = None, total: float | None = None) -> None:
+        self.requests.inc(tags={"endpoint": endpoint, "status": status})
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if cached:
+            self.cached_tokens.inc(cached)
+        if output:
+            self.output_tokens.inc(output)
+        if ttft is not None:
+            self.ttft.observe(ttft, tags={"endpoint": endpoint})
+            if total is not None and output > 1:
+                self.tpot.observe((total - ttft) / (output - 1), tags={"endpoint": endpoint})
+
+
+class DecoderMetrics:
+    """The decoder's queue: running requests and batch size per step."""
+
+    def __init__(self) -> None:
+        self.running = metrics.Gauge("v41_decoder_running_requests", "requests in the continuous batch")
+        self.batch = metrics.Histogram("v41_decoder_batch_size", "sequences per decode step",
+                                       boundaries=[1, 2, 4, 8, 16, 32, 64])
+
+
+class PrefillMetrics:
+    """Prefill time and the wait for remote Engram rows."""
+
+    def __init__(self) -> None:
+        self.prefill = metrics.Histogram("v41_prefill_seconds", "prefill time per request", boundaries=_LATENCY_BOUNDS)
+        self.engram_wait = metrics.Histogram("v41_engram_wait_seconds",
+                                             "time the prefill waited for prefetched Engram rows",
+                                             boundaries=_LATENCY_BOUNDS)
+
+
+class StoreMetrics:
+    """A node store's counters per tier, exported as gauges of their totals."""
+
+    FIELDS = ("hits", "misses", "bytes_read", "puts", "evictions", "expirations", "corrupt")
+
+    def __init__(self) -> None:
+        self.gauges = {name: metrics.Gauge(f"v41_store_{name}", f"store {name} per tier (total)", tag_keys=("tier",))
+                       for name in self.FIELDS}
+        self.gc_runs = metrics.Gauge("v41_store_gc_runs", "garbage-collector runs (total)")
+
+    def export(self, stats) -> None:
+        for tier, counters in stats.tiers.items():
+            for name in self.FIELDS:
+                self.gauges[name].set(getattr(counters, name), tags={"tier": tier})
+        self.gc_runs.set(stats.gc_runs)
