@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "forward": ("cluster.commands.forward", "reference full-sequence logits for token-id lists"),
     "generate": ("cluster.commands.generate", "generate with the engine (prefill, replay, batched decode)"),
     "bench": ("cluster.bench", "side-by-side measurements, printed as a table"),
+    "train-small": ("cluster.commands.train_small", "train the shipped small checkpoint (progress bar, resumable)"),
 }
 
 

@@ -58,12 +58,20 @@ __all__ = [
     "Muon",
     "ReplayStarts",
     "TrainOutput",
+    "attention_target",
     "balance_routers",
     "build_optimizers",
     "fake_quant_weight",
+    "indexer_kl",
+    "indexer_scores",
     "init_module",
     "lm_loss",
+    "lr_factor",
+    "newton_schulz",
     "quantised_weight_names",
+    "set_lr",
+    "sparse_attend",
+    "straight_through",
     "train_forward",
 ]
 
@@ -272,9 +280,13 @@ def train_forward(
     engram_ids: torch.Tensor | None = None,
     replay: ReplayStarts | None = None,
     quantize: bool = True,
+    quantize_weights: bool | None = None,
 ) -> TrainOutput:
     """The differentiable full-sequence forward (values = the reference forward of the
-    quantised checkpoint when ``quantize`` and no replay). Also counts expert loads."""
+    quantised checkpoint when ``quantize`` and no replay). Also counts expert loads.
+
+    ``quantize`` rounds the caches, Engram rows and (unless ``quantize_weights`` is
+    False) the weights as the released format does, straight-through."""
     batch, length = input_ids.shape
     if replay is None:
         replay = ReplayStarts.none(batch, length, input_ids.device)
@@ -282,7 +294,7 @@ def train_forward(
         raise ValueError("this model has Engram layers: pass engram_ids from the NgramHasher")
     wrapper = _Forward(model)
     overrides = {}
-    if quantize:
+    if quantize and quantize_weights is not False:
         params = dict(model.named_parameters())
         for name in quantised_weight_names(model):
             p = params[name]

@@ -1,0 +1,230 @@
+"""The training math (model/training.py) and a smoke run of `v41 train-small`.
+
+The differentiable forward must equal the reference forward of the quantised
+checkpoint, keep the indexer's loss and the LM loss apart, and apply the bounded
+replays' window cuts only where they belong; a few training steps must lower the loss;
+the smoke run's checkpoint must load through the released-format loader and agree with
+the model that was trained.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import formats, training
+from model.config import ModelConfig
+from model.engram import EngramLayout, NgramHasher
+from model.transformer import SequenceMemory, Transformer
+
+TINY = Path(__file__).parent.parent / "configs" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tokenizers import Tokenizer
+
+    config = ModelConfig.load(TINY).text
+    model = Transformer(config).init_weights(seed=1, std=0.05)
+    with torch.no_grad():  # the values a saved checkpoint holds
+        params = dict(model.named_parameters())
+        for name in training.quantised_weight_names(model):
+            params[name].copy_(training.fake_quant_weight(name, params[name]))
+        for block in model.layers:
+            if block.engram is not None:
+                block.engram.embed.weight.copy_(formats.ENGRAM_ROW.fake_quant(block.engram.embed.weight))
+    hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(config), Tokenizer.from_file(str(TINY / "tokenizer.json")))
+    ids = torch.randint(3, config.vocab_size - 1, (2, 120), generator=torch.Generator().manual_seed(0))
+    return config, model, hasher, ids, hasher.hash_ids(ids)[0]
+
+
+def test_attention_of_every_layer_mode_matches_the_reference(tiny):
+    """Window-only, Full, Reuse, Reindex (with the candidate pool): the gathered,
+    differentiable attention equals the reference's dense masked attention."""
+    config, model, _, ids, _ = tiny
+    x = torch.randn(2, ids.shape[1], config.hidden_size, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    reference, memory = SequenceMemory(), {}
+    no_replay = torch.full((2,), ids.shape[1])
+    modes = set()
+    with torch.no_grad():
+        for block in model.layers:
+            expected = model.attention_reference(block.attn, x, positions, reference)
+            got, kl = training._attention(model, block.attn, x, positions, memory, no_replay, True)
+            modes.add(block.plan.mode)
+            torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
+            assert (kl is not None) == block.plan.runs_indexer
+            if block.plan.runs_indexer:
+                picks = torch.zeros_like(reference.picks[block.plan.index])
+                index, valid = memory[("picks", block.plan.index)]
+                picks.scatter_(-1, index, valid)
+                assert torch.equal(picks, reference.picks[block.plan.index])
+    assert len(modes) == 4
+
+
+def test_train_forward_equals_the_reference_forward(tiny):
+    _, model, _, ids, engram_ids = tiny
+    expected = model(ids, engram_ids)
+    got = training.train_forward(model, ids, engram_ids).logits.detach()
+    diff = (got - expected).abs().amax(-1)
+    # Float-order differences may flip an FP8/FP4 rounding or a pick at a rare position.
+    assert diff.median() < 1e-5 and (diff > 1e-3).float().mean() < 0.05
+
+
+def test_indexer_learns_only_from_its_loss(tiny):
+    _, model, _, ids, engram_ids = tiny
+    indexer = {n for n, _ in model.named_parameters() if ".indexer." in n}
+    for part in ("lm", "kl"):
+        model.zero_grad(set_to_none=True)
+        out = training.train_forward(model, ids, engram_ids)
+        (training.lm_loss(out.logits, ids) if part == "lm" else out.indexer_loss).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        touched = {n for n, g in grads.items() if g is not None and bool(g.abs().sum() > 0)}
+        if part == "lm":
+            assert not touched & indexer
+            assert {"embed.weight", "lm_head.weight", "layers.2.attn.compressor.wkv.weight",
+                    "layers.1.engram.embed.weight", "layers.0.hc_attn_fn"} <= touched
+        else:
+            # wk/k_norm exist on Full layers only, wq_b/weights_proj on every indexer
+            assert touched and touched <= indexer
+            assert {n for n in indexer if "wq_b" in n} <= touched
+    model.zero_grad(set_to_none=True)
+    assert out.indexer_loss > 0 and set(out.indexer_kl) == {2, 4, 6, 8, 10}
+
+
+def test_replay_cuts_only_the_windows_after_its_start(tiny):
+    config, model, _, ids, engram_ids = tiny
+    s = 70
+    with torch.no_grad():
+        plain = training.train_forward(model, ids, engram_ids).logits
+        replay = training.ReplayStarts.none(2, ids.shape[1])
+        replay.decoder[0] = s
+        dec = training.train_forward(model, ids, engram_ids, replay).logits
+        replay.encoder[1] = replay.decoder[1] = s
+        both = training.train_forward(model, ids, engram_ids, replay).logits
+    torch.testing.assert_close(dec[:, :s], plain[:, :s], atol=1e-5, rtol=0)
+    torch.testing.assert_close(dec[1], plain[1], atol=1e-5, rtol=0)
+    assert (dec[0, s:] - plain[0, s:]).abs().max() > 1e-3
+    torch.testing.assert_close(both[0], dec[0], atol=1e-5, rtol=0)
+    assert (both[1, s:] - plain[1, s:]).abs().max() > 1e-3
+
+
+def test_a_few_steps_lower_the_loss_and_balance_the_routers(tiny):
+    config, _, hasher, ids, engram_ids = tiny
+    ids, engram_ids = ids[:, :64], engram_ids[:, :64]
+    model = Transformer(config).init_weights(seed=2)
+    optimizers = training.build_optimizers(model, lr=3e-3)
+    biases = [b.ffn.gate.bias.clone() for b in model.layers]
+    losses = []
+    for _ in range(5):
+        out = training.train_forward(model, ids, engram_ids)
+        loss = training.lm_loss(out.logits, ids)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        (loss + out.indexer_loss).backward()
+        for opt in optimizers:
+            opt.step()
+        training.balance_routers(model, out.loads, gamma=1e-3)
+        losses.append(float(loss.detach()))
+        assert sum(int(v.sum()) for v in out.loads.values()) == config.num_hidden_layers * ids.numel() * config.num_experts_per_tok
+    assert losses[-1] < losses[0] - 0.3, losses
+    moved = [b.ffn.gate.bias for b in model.layers]
+    assert all(not torch.equal(a, b) for a, b in zip(biases, moved))
+    assert all(float(b.abs().max()) <= 5e-3 + 1e-9 for b in moved)
+
+
+def test_newton_schulz_orthogonalises():
+    g = torch.randn(3, 64, 32, generator=torch.Generator().manual_seed(0))
+    s = torch.linalg.svdvals(training.newton_schulz(g))
+    assert s.min() > 0.5 and s.max() < 1.3
+
+
+def test_fake_quant_weight_is_the_storage_round_trip():
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 0.05
+    fp8 = formats.dequantize_fp8_weight(*formats.quantize_fp8_weight(w))
+    fp4 = formats.dequantize_fp4_weight(*formats.quantize_fp4_weight(w))
+    assert torch.equal(training.fake_quant_weight("layers.0.attn.wq_a.weight", w), fp8)
+    assert torch.equal(training.fake_quant_weight("layers.0.ffn.experts.3.w1.weight", w), fp4)
+    assert torch.equal(training.fake_quant_weight("layers.0.ffn.shared_experts.w1.weight", w), fp8)
+
+
+def test_lr_schedule():
+    assert training.lr_factor(0.0) < 0.1 and training.lr_factor(0.5) == 1.0
+    assert abs(training.lr_factor(1.0) - 0.1) < 1e-9
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def test_tokenizer_training_is_deterministic():
+    from cluster.commands import train_small
+
+    corpus = train_small.load_corpus(max_files=20)
+    a = train_small.train_tokenizer(corpus.train, 400)
+    b = train_small.train_tokenizer(corpus.train, 400)
+    assert a.to_str() == b.to_str()
+    assert [a.id_to_token(i) for i in range(9)] == list(train_small.SPECIAL_TOKENS)
+
+
+def test_png_encoder_writes_a_valid_png(tmp_path):
+    import zlib
+
+    from cluster.commands import train_small
+
+    log = {"steps": [1, 2, 3], "loss": [7.0, 6.0, 5.5], "eval": [[3, 5.8]]}
+    train_small.write_loss_png(tmp_path / "loss.png", log, baseline=6.4, width=80, height=50)
+    data = (tmp_path / "loss.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    idat_len = int.from_bytes(data[33:37], "big")
+    raw = zlib.decompress(data[41 : 41 + idat_len])
+    assert len(raw) == 50 * (1 + 80 * 3)
+
+
+def test_train_small_smoke_run_saves_a_loadable_checkpoint(tmp_path):
+    """A few steps of the real command on a corpus slice; then a resumed run; the
+    released-format checkpoint loads and agrees with its own reference forward."""
+    from cluster.cli import main
+    from model.loader import load_checkpoint, load_hasher
+
+    out = tmp_path / "small"
+    common = ["train-small", "--out", str(out), "--max-files", "50", "--vocab-size", "512", "--batch", "2",
+              "--seq-len", "64", "--eval-every", "2", "--eval-batches", "1", "--no-samples", "--minutes", "0"]
+    assert main([*common, "--steps", "2", "--keep-state"]) == 0
+    assert (out / "train-state" / "state.pt").exists()
+    assert main([*common, "--steps", "4", "--resume"]) == 0
+    assert not (out / "train-state").exists()
+    report = json.loads((out / "training.json").read_text())
+    assert report["steps"] == 4 and report["log"]["steps"] == [1, 2, 3, 4]
+    assert abs(report["held_out_loss"] - report["held_out_loss_saved_checkpoint"]) < 1e-3
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "loss.png"):
+        assert (out / name).exists(), name
+
+    checkpoint = load_checkpoint(out)
+    assert checkpoint.drafter is not None
+    text = checkpoint.config.text
+    assert text.dspark_noise_token_id == 8 and text.engram_pad_id == 2 and text.vocab_size == 512
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("layers.0.attn.wq_a.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("layers.0.ffn.experts.0.w1.weight").get_dtype() == "I8"
+        assert f.get_slice("layers.1.engram.embed.weight").get_dtype() == "F8_E4M3"
+    hasher = load_hasher(out, checkpoint.config)
+    ids = torch.randint(9, 512, (1, 80), generator=torch.Generator().manual_seed(0))
+    engram_ids = hasher.hash_ids(ids)[0]
+    expected = checkpoint.backbone(ids, engram_ids)
+    got = training.train_forward(checkpoint.backbone, ids, engram_ids).logits.detach()
+    # Equal up to summation order, which can flip an FP4/FP8 rounding of a cache entry.
+    assert (got - expected).abs().amax(-1).median() < 1e-3
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
+
+
+def test_train_small_rejects_resume_without_state(tmp_path, capsys):
+    from cluster.cli import main
+
+    code = main(["train-small", "--out", str(tmp_path / "none"), "--max-files", "50", "--vocab-size", "512",
+                 "--steps", "1", "--resume"])
+    assert code == 2 and "no training state" in capsys.readouterr().err
