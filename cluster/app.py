@@ -32,7 +32,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster import openai_api as api
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = str(PROJECT_ROOT / "tests" / "golden" / "A")
+DEFAULT_MODEL = str(PROJECT_ROOT / "configs" / "small")
 
 
 def resolve_model(path: str) -> Path:

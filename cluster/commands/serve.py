@@ -13,7 +13,6 @@ import signal
 import threading
 from pathlib import Path
 
-DEFAULT_MODELS = (Path("configs/small"), Path("tests/golden/A"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_model() -> Path:
-    for path in DEFAULT_MODELS:
-        if (path / "config.json").exists():
-            return path
-    return DEFAULT_MODELS[0]
+    """The shipped small checkpoint, wherever the command runs from."""
+    from cluster.app import DEFAULT_MODEL
+
+    return Path(DEFAULT_MODEL)
 
 
 def run(args: argparse.Namespace) -> int:
