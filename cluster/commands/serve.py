@@ -45,8 +45,6 @@ def run(args: argparse.Namespace) -> int:
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     redis = RedisServer()
     redis.start()
     try:
@@ -61,8 +59,12 @@ def run(args: argparse.Namespace) -> int:
             "api_key": args.api_key,
         })
         serve.run(app, name="v41", route_prefix="/")
+        # Installed after Ray and Serve started, which set handlers of their own.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         print(f"v41 serving {model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-        stop.wait()
+        while not stop.wait(0.5):
+            pass
     finally:
         print("v41: stopping", flush=True)
         try:
