@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("cluster.commands.generate", "generate with the engine (prefill, replay, batched decode)"),
     "bench": ("cluster.bench", "side-by-side measurements, printed as a table"),
     "train-small": ("cluster.commands.train_small", "train the shipped small checkpoint (progress bar, resumable)"),
+    "train-drafter": ("cluster.commands.train_drafter", "train a checkpoint's DSpark drafter on its frozen backbone, calibrate it"),
 }
 
 

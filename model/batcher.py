@@ -7,6 +7,13 @@ samples its first token; ``step`` decodes one token for every running request in
 one batched engine call. Each generated token is reported as a :class:`TokenEvent`
 (with text when a tokenizer is given); finished requests leave the batch.
 
+Speculative mode (``speculation=``, :mod:`model.speculative`): each ``step`` drafts
+guesses for every request with the DSpark drafter, schedules how many of them to
+verify (Algorithm 1, or a fixed k), verifies them all in one backbone pass, and
+reports every accepted token plus the target's own token, in order. A request that
+finishes inside a step (stop token, stop string, length) keeps no token after its
+last one in its cache, so ``on_finish`` sees the same cache as without speculation.
+
 The batcher knows nothing of Ray or HTTP: the decoder actor drives it.
 """
 
@@ -21,6 +28,26 @@ from .cache import SequenceCache
 from .chat import IncrementalDetokenizer, Tokenizer
 from .engine import DecoderInput, Engine
 from .sampling import SamplingParams, StopChecker, make_generator, sample
+from .speculative import MODES, DraftContext, SpecMetrics, SpeculativeDrafter, StepCost, accept_tokens, schedule
+
+
+@dataclass
+class Speculation:
+    """How a batcher speculates: ``mode`` "scheduled" (Algorithm 1 on ``cost``), "fixed"
+    (``k`` guesses per request) or "off" (plain decoding, for comparison)."""
+
+    drafter: SpeculativeDrafter
+    mode: str = "scheduled"
+    k: int = 3
+    cost: StepCost | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"speculation mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "fixed" and not 0 <= self.k <= self.drafter.block_size:
+            raise ValueError(f"fixed k must be in 0..{self.drafter.block_size}, got {self.k}")
+        if self.mode == "scheduled" and self.cost is None:
+            raise ValueError("the scheduled mode needs a step-cost table (StepCost.profile)")
 
 
 @dataclass(frozen=True)
@@ -42,19 +69,23 @@ class _Running:
     stop: StopChecker
     detokenizer: IncrementalDetokenizer | None
     tokens: list[int] = field(default_factory=list)
+    context: DraftContext | None = None  # the drafter's window (speculative mode)
 
 
 class Batcher:
     """Runs many requests through one engine, one batched decode step at a time."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, eos_token_ids: tuple[int, ...] = (),
-                 max_batch: int = 64, on_finish: Callable[[str, SequenceCache, list[int]], None] | None = None):
+                 max_batch: int = 64, on_finish: Callable[[str, SequenceCache, list[int]], None] | None = None,
+                 speculation: Speculation | None = None):
         """``on_finish(request_id, cache, tokens)`` runs when a request ends normally
         (not when cancelled): the cache holds every token fed so far."""
         self.engine, self.tokenizer = engine, tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_batch = max_batch
         self.on_finish = on_finish
+        self.speculation = speculation
+        self.metrics = SpecMetrics()
         self.running: dict[str, _Running] = {}
 
     def can_add(self) -> bool:
@@ -76,49 +107,126 @@ class Batcher:
                 raise ValueError("a request needs a non-empty prompt")
             cache = self.engine.new_cache()
             inputs = self.engine.prefill(cache, prompt)
-        logits = self.engine.replay(cache, inputs)
+        drafter = self.speculation.drafter if self.speculation is not None else None
+        tap = drafter.tap() if drafter is not None else None
+        logits = self.engine.replay(cache, inputs, tap=tap)
         running = _Running(
             request_id, cache, params,
             None if params.greedy else make_generator(params, logits.device),
             StopChecker(params, self.eos_token_ids),
             self.tokenizer.detokenizer() if self.tokenizer is not None else None,
         )
+        if tap is not None:
+            features = tap.features()
+            positions = torch.arange(cache.length - features.shape[0], cache.length, device=features.device)
+            running.context = drafter.extend([None], [features], [positions])[0]
         self.running[request_id] = running
         return self._emit(running, logits[None])
 
     def step(self) -> list[TokenEvent]:
-        """One decode step for every running request (their last token in, a new one out)."""
+        """One decode step for every running request: one new token each, or in
+        speculative mode every accepted guess and the target's token."""
         batch = list(self.running.values())
         if not batch:
             return []
+        if self.speculation is not None and self.speculation.mode != "off":
+            return self._speculative_step(batch)
         logits = self.engine.decode([(r.cache, [r.tokens[-1]]) for r in batch])
+        self._count(len(batch), [0] * len(batch), [0] * len(batch), [1] * len(batch))
         return [self._emit(r, out[-1:]) for r, out in zip(batch, logits)]
+
+    def _speculative_step(self, batch: list[_Running]) -> list[TokenEvent]:
+        spec = self.speculation
+        drafter = spec.drafter
+        params = [r.params for r in batch]
+        drafted = drafter.propose([r.context for r in batch], [r.tokens[-1] for r in batch], params,
+                                  [r.generator for r in batch])
+        # Never verify more guesses than a request may still emit (its length limit).
+        room = torch.tensor([max(0, r.params.max_tokens - len(r.tokens) - 1) for r in batch])
+        allowed = torch.arange(drafter.block_size)[None] < room[:, None]
+        if spec.mode == "fixed":
+            lengths = [min(spec.k, int(n)) for n in room]
+        else:
+            lengths = schedule(drafted.survival * allowed, spec.cost)
+        guesses = drafted.proposal.tokens.tolist()
+        tap = drafter.tap()
+        logits, rewinds = self.engine.verify(
+            [(r.cache, [r.tokens[-1]] + guesses[i][: lengths[i]]) for i, r in enumerate(batch)], tap)
+        events, finished, accepted, emitted = [], [], [], []
+        extend, lo = [], 0
+        for i, r in enumerate(batch):
+            q = drafted.q[i] if drafted.q is not None and not r.params.greedy else None
+            m, tokens = accept_tokens(logits[i], guesses[i][: lengths[i]], r.params, r.generator, q)
+            kept, done = 0, False
+            for token in tokens:
+                event = self._feed(r, token)
+                events.append(event)
+                kept += 1
+                if event.finish_reason is not None:
+                    done = True
+                    break
+            # The cache keeps the anchor and the emitted tokens before the last one.
+            self.engine.accept(r.cache, rewinds[i], kept)
+            if done:
+                finished.append(r)
+            else:
+                extend.append((r, tap.features(lo, lo + kept), torch.arange(rewinds[i].length, r.cache.length)))
+            lo += 1 + lengths[i]
+            accepted.append(m)
+            emitted.append(kept)
+        if extend:
+            contexts = drafter.extend([r.context for r, _, _ in extend], [f for _, f, _ in extend],
+                                      [p for _, _, p in extend])
+            for (r, _, _), context in zip(extend, contexts):
+                r.context = context
+        self._count(len(batch), lengths, accepted, emitted)
+        for r in finished:
+            self._finish(r)
+        return events
+
+    def _count(self, requests: int, lengths: list[int], accepted: list[int], emitted: list[int]) -> None:
+        m = self.metrics
+        m.passes += 1
+        m.request_steps += requests
+        m.emitted += sum(emitted)
+        m.accepted += sum(accepted)
+        m.verified += sum(lengths)
+        for length in lengths:
+            m.verify_lengths[length] = m.verify_lengths.get(length, 0) + 1
 
     def cancel(self, request_id: str) -> None:
         """Drop a request (client gone); its cache is released with it."""
         self.running.pop(request_id, None)
 
     def _emit(self, running: _Running, logits: torch.Tensor) -> TokenEvent:
-        token = int(sample(logits, [running.params], [running.generator])[0])
+        event = self._feed(running, int(sample(logits, [running.params], [running.generator])[0]))
+        if event.finish_reason is not None:
+            self._finish(running)
+        return event
+
+    def _feed(self, running: _Running, token: int) -> TokenEvent:
+        """Record one generated token and check the stop conditions."""
         running.tokens.append(token)
         text = running.detokenizer.push(token) if running.detokenizer is not None else ""
         update = running.stop.feed(token, text)
-        if update.finish_reason is not None:
-            if running.detokenizer is not None and update.finish_reason == "length":
-                update = type(update)(update.text + running.detokenizer.flush(), update.finish_reason)
-            del self.running[running.request_id]
-            if self.on_finish is not None:
-                self.on_finish(running.request_id, running.cache, running.tokens)
+        if update.finish_reason is not None and running.detokenizer is not None and update.finish_reason == "length":
+            update = type(update)(update.text + running.detokenizer.flush(), update.finish_reason)
         return TokenEvent(running.request_id, token, update.text, update.finish_reason)
+
+    def _finish(self, running: _Running) -> None:
+        del self.running[running.request_id]
+        if self.on_finish is not None:
+            self.on_finish(running.request_id, running.cache, running.tokens)
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-             eos_token_ids: tuple[int, ...] = (), max_batch: int = 64) -> list[list[int]]:
+             eos_token_ids: tuple[int, ...] = (), max_batch: int = 64,
+             speculation: Speculation | None = None) -> list[list[int]]:
     """Generate for every prompt with continuous batching; returns the new token ids.
 
     A stop token ends a request and is not returned.
     """
-    batcher = Batcher(engine, eos_token_ids=eos_token_ids, max_batch=max_batch)
+    batcher = Batcher(engine, eos_token_ids=eos_token_ids, max_batch=max_batch, speculation=speculation)
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     waiting = list(range(len(prompts)))
 

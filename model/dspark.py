@@ -52,7 +52,7 @@ head reads the hidden state before the final norm.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +64,15 @@ from .config import AttentionMode, ConfigError, LayerPlan, TextConfig
 from .norm import RMSNorm
 from .rope import Rotary
 from .transformer import Block
+
+
+def _window_entries(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The FP8 window entries of ``x``; under autograd the rounding is straight-through
+    (same values forward, identity backward), so training reaches ``wkv`` and ``kv_norm``."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return block.attn.window_entries(x, cos, sin)
+    raw = block.attn.window_raw(x, cos, sin)
+    return raw + (block.attn.window_entries(x.detach(), cos, sin) - raw).detach()
 
 
 class MarkovHead(nn.Module):
@@ -141,12 +150,14 @@ class Draft:
 @dataclass
 class Proposal:
     """Drafted tokens [B, K], their logits with the Markov bias [B, K, V], the conditional
-    survival ``confidence`` c_k [B, K] and the prefix survival ``survival`` prod c [B, K]."""
+    survival ``confidence`` c_k [B, K] (uncalibrated; its logits ``confidence_logits``) and
+    the prefix survival ``survival`` prod c [B, K]."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
     confidence: torch.Tensor
     survival: torch.Tensor
+    confidence_logits: torch.Tensor | None = None
 
 
 class DSparkDrafter(nn.Module):
@@ -189,7 +200,7 @@ class DSparkDrafter(nn.Module):
     def context_entries(self, main_x: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """main_x [B, T, D] at ``positions`` [B, T] -> each layer's window entries [B, T, head_dim]."""
         cos, sin = self.rotary(positions)
-        return [block.attn.window_entries(main_x, cos, sin) for block in self.mtp]
+        return [_window_entries(block, main_x, cos, sin) for block in self.mtp]
 
     # ------------------------------------------------------------------ draft
     def block_ids(self, anchor_ids: torch.Tensor) -> torch.Tensor:
@@ -198,7 +209,6 @@ class DSparkDrafter(nn.Module):
         ids[:, 0] = anchor_ids
         return ids
 
-    @torch.no_grad()
     def draft(
         self,
         entries: Sequence[torch.Tensor],
@@ -214,6 +224,7 @@ class DSparkDrafter(nn.Module):
         cached window); ``entry_positions`` [B, T]; ``anchor_ids`` / ``anchor_positions``
         [B]; ``embed`` / ``head`` the backbone's embedding and output head. Entries at or
         after the anchor's position, or more than ``sliding_window`` before it, are ignored.
+        Differentiable (training); inference callers run it under ``no_grad``.
         """
         if len(entries) != len(self.mtp):
             raise ValueError(f"{len(entries)} entry tensors for {len(self.mtp)} drafter layers")
@@ -233,7 +244,7 @@ class DSparkDrafter(nn.Module):
             attn_pre, attn_post, attn_comb = block.mixes(streams, "attn")
             h = block.attn_norm(mhc.collapse(streams, pre))
             q, _ = block.attn.queries(h, cos, sin)
-            keys = torch.cat((context.to(h.dtype), block.attn.window_entries(h, cos, sin)), dim=1)
+            keys = torch.cat((context.to(h.dtype), _window_entries(block, h, cos, sin)), dim=1)
             out = block.attn.output(block.attn.attend(q, keys, mask), cos, sin)
             streams = mhc.expand(out, streams, attn_post, attn_comb)
             streams, pre = block.ffn_sublayer(streams, attn_pre, None)
@@ -263,6 +274,24 @@ class DSparkDrafter(nn.Module):
         entries = self.context_entries(self.project_context(target_streams), positions)
         return self.draft(entries, positions, anchor_ids, anchor_positions, embed, head)
 
+    def teacher_forced(self, target_streams: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                       embed: nn.Module, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training blocks: for sequences ``input_ids`` [B, S] with their target streams
+        [B, S, n_targets, hc, D] and anchor positions ``anchors`` [B, A] (each at most
+        ``S - 1 - K``), the draft of every block with the Markov bias of the true
+        previous tokens: (logits [B * A, K, V], confidence logits [B * A, K]).
+        Position k of a block anchored at p guesses token ``p + k + 1``. Differentiable.
+        """
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device).expand(b, s)
+        entries = self.context_entries(self.project_context(target_streams), positions)
+        rows = torch.arange(b, device=input_ids.device).repeat_interleave(anchors.shape[1])  # [B * A]
+        anchor_pos = anchors.reshape(-1).long()
+        draft = self.draft([e[rows] for e in entries], positions[rows], input_ids[rows, anchor_pos], anchor_pos,
+                           embed, head)
+        prev = input_ids[rows[:, None], anchor_pos[:, None] + torch.arange(self.block_size, device=input_ids.device)]
+        return self.markov_logits(draft.logits, prev), self.confidence_logits(draft.hidden, prev)
+
     # ------------------------------------------------------------------ heads
     def markov_logits(self, logits: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced Markov correction: ``logits`` [..., K, V] + bias of ``prev_ids`` [..., K]."""
@@ -279,26 +308,100 @@ class DSparkDrafter(nn.Module):
         anchor_ids: torch.Tensor,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> Proposal:
-        """Pick the block's tokens left to right with the Markov bias (greedy at temperature 0)."""
+        """Pick the block's tokens left to right with the Markov bias.
+
+        Greedy at temperature 0, else softmax sampling at ``temperature``; ``pick``
+        (logits [B, V] with the bias -> tokens [B]) replaces both, e.g. the serving
+        sampler of :mod:`model.speculative` with each request's own parameters.
+        """
         prev = anchor_ids.long()
         tokens, logits, prevs = [], [], []
         for k in range(draft.logits.shape[1]):
             step = draft.logits[:, k].float() + self.markov_head(prev)  # [B, V]
-            if temperature <= 0:
-                pick = step.argmax(dim=-1)
+            if pick is not None:
+                pick_k = pick(step)
+            elif temperature <= 0:
+                pick_k = step.argmax(dim=-1)
             else:
                 probs = torch.softmax(step / temperature, dim=-1)
-                pick = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                pick_k = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
             prevs.append(prev)
-            tokens.append(pick)
+            tokens.append(pick_k)
             logits.append(step)
-            prev = pick
+            prev = pick_k
         prev_ids = torch.stack(prevs, dim=1)
-        confidence = torch.sigmoid(self.confidence_logits(draft.hidden, prev_ids))
+        confidence_logits = self.confidence_logits(draft.hidden, prev_ids)
+        confidence = torch.sigmoid(confidence_logits)
         return Proposal(
             tokens=torch.stack(tokens, dim=1),
             logits=torch.stack(logits, dim=1),
             confidence=confidence,
             survival=confidence.cumprod(dim=-1),
+            confidence_logits=confidence_logits,
         )
+
+
+# ---------------------------------------------------------------------- training
+
+
+@torch.no_grad()
+def target_streams(model: nn.Module, input_ids: torch.Tensor, engram_ids: torch.Tensor | None,
+                   layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen backbone's reference forward, keeping what the drafter learns from:
+    (logits [B, S, V], attention-input streams of ``layers`` [B, S, len(layers), hc, D]).
+
+    The same orchestration as :meth:`model.transformer.Transformer.forward` (every layer
+    over every token), with the streams entering each target block recorded.
+    """
+    from .transformer import SequenceMemory
+
+    streams, pre = model.embed_streams(input_ids)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    rows = model.engram_rows(engram_ids)
+    memory, captured = SequenceMemory(), {}
+    for block in model.layers:
+        if block.plan.index in layers:
+            captured[block.plan.index] = streams
+        streams, pre = model.block_forward(block, streams, pre, positions, memory, rows, None)
+    return model.head(streams, pre), torch.stack([captured[i] for i in layers], dim=2)
+
+
+@dataclass
+class DraftLoss:
+    """The paper's training objective and its parts (each position-weighted by
+    w_k = exp(-(k-1)/K), normalised by the weights' sum): ``ce`` cross-entropy of the
+    true next tokens, ``tv`` the L1 distance between draft and target distributions,
+    ``conf`` binary cross-entropy of the confidence head against c*_k = 1 - tv_k / 2;
+    ``total`` = alpha_ce ce + alpha_tv tv + alpha_conf conf. ``acceptance`` [K]: the mean
+    c*_k per position (detached), ``argmax_match`` [K] how often the draft's argmax
+    equals the target's."""
+
+    total: torch.Tensor
+    ce: torch.Tensor
+    tv: torch.Tensor
+    conf: torch.Tensor
+    acceptance: torch.Tensor
+    argmax_match: torch.Tensor
+
+
+def draft_loss(logits: torch.Tensor, confidence_logits: torch.Tensor, target_logits: torch.Tensor,
+               target_ids: torch.Tensor, alpha_ce: float = 0.1, alpha_tv: float = 0.9,
+               alpha_conf: float = 1.0) -> DraftLoss:
+    """``logits`` [N, K, V] (with the teacher-forced Markov bias), ``confidence_logits``
+    [N, K], ``target_logits`` [N, K, V] the frozen backbone's at the same positions,
+    ``target_ids`` [N, K] the tokens that follow."""
+    k = logits.shape[1]
+    weights = torch.exp(-torch.arange(k, dtype=torch.float32, device=logits.device) / k)  # w_k, k from 0
+    norm = weights.sum() * logits.shape[0]
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), target_ids.flatten(), reduction="none").view_as(target_ids)
+    draft_p = torch.softmax(logits.float(), dim=-1)
+    target_p = torch.softmax(target_logits.float(), dim=-1)
+    l1 = (draft_p - target_p).abs().sum(dim=-1)  # [N, K]
+    soft_accept = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)
+    conf = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_accept, reduction="none")
+    ce_, tv_, conf_ = ((x * weights).sum() / norm for x in (ce, l1, conf))
+    match = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean(0)
+    return DraftLoss(alpha_ce * ce_ + alpha_tv * tv_ + alpha_conf * conf_, ce_, tv_, conf_,
+                     soft_accept.mean(0), match)

@@ -14,6 +14,13 @@ leaves the GPU"):
   replayed; with ``exact`` the whole prompt is, and the result equals the reference.
 - :meth:`Engine.decode`: one step for a batch of sequences, each with one or more new
   tokens at its own position; every new token runs all layers and extends every cache.
+- :meth:`Engine.verify` / :meth:`Engine.accept` (speculative decoding): a decode step
+  whose tokens can be taken back. ``verify`` runs every sequence's anchor and guesses
+  like ``decode`` but keeps what a rollback needs (windows are not trimmed yet, the
+  pooling rows the step saw, the n-gram context); ``accept`` keeps the first ``n``
+  tokens of the step and leaves the cache exactly as ``n`` tokens of plain decoding
+  would (windows, pending pooling rows, compressed entries, indexer keys, n-gram
+  context, length).
 - :meth:`Engine.restore` (Encoder SWA Bounded Replay): when a conversation's window
   state has expired, rebuild the encoder windows from its long-range caches by
   rerunning the encoder on its last ``sliding_window`` tokens only.
@@ -27,7 +34,7 @@ batch for projections, mHC and MoE; attention runs per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,7 +42,7 @@ from . import mhc
 from .attention import candidate_entries
 from .cache import SequenceCache
 from .config import AttentionMode
-from .engram import NgramHasher
+from .engram import NgramContext, NgramHasher
 from .transformer import Block, Transformer
 
 
@@ -66,13 +73,53 @@ class DecoderInput:
 
 
 @dataclass
+class Tap:
+    """Collects the residual streams entering some layers during a step.
+
+    ``layers`` are backbone layer indices (the DSpark targets); after a ``replay``,
+    ``decode`` or ``verify`` given this tap, ``streams[i]`` holds the streams
+    [N, hc, D] entering layer ``i`` for the step's flat batch (sequences in batch
+    order, each sequence's tokens in order).
+    """
+
+    layers: tuple[int, ...]
+    streams: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def features(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows ``[lo, hi)`` as [n, len(layers), hc, D], in the order of ``layers``."""
+        return torch.stack([self.streams[i][lo:hi] for i in self.layers], dim=1)
+
+
+@dataclass
+class Rewind:
+    """What :meth:`Engine.accept` needs to take back the tokens of a :meth:`Engine.verify` step.
+
+    ``length``: the cache length before the step; ``n_tokens``: the tokens the step fed;
+    ``ngram``: the n-gram context before the step; ``pooling[src]``: the hidden states
+    [n, D] and positions [n] the KV source ``src`` pooled from (its pending rows, then
+    the step's), from which the pending group of any accepted prefix is cut.
+    """
+
+    length: int
+    n_tokens: int
+    token_ids: torch.Tensor
+    ngram: NgramContext | None
+    pooling: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
 class _Segment:
-    """New tokens of one sequence inside a flat batch: rows ``[lo, hi)``."""
+    """New tokens of one sequence inside a flat batch: rows ``[lo, hi)``.
+
+    With ``rewind`` set (a verify step) the windows keep the rows a rollback may need
+    and the pooling rows are recorded there.
+    """
 
     cache: SequenceCache
     positions: torch.Tensor
     lo: int
     hi: int
+    rewind: Rewind | None = None
 
 
 class Engine:
@@ -85,6 +132,7 @@ class Engine:
         self.query_chunk, self.prefill_chunk = query_chunk, prefill_chunk
         self.decoder_start = self.config.decoder_start
         self.window = self.config.sliding_window
+        self._ratios = {plan.index: plan.compress_ratio for plan in self.config.layer_plans()}
         if any(getattr(b, "engram", None) is not None for b in model.layers[self.decoder_start :]):
             # The decoder replays tokens it did not embed; V4.1's Engram layers (1, 14) are encoder layers.
             raise ValueError("Engram layers in the decoder half are not supported by the engine")
@@ -133,11 +181,14 @@ class Engine:
         return DecoderInput(positions, torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), ids)
 
     @torch.no_grad()
-    def replay(self, cache: SequenceCache, inputs: DecoderInput, exact: bool | None = None) -> torch.Tensor:
+    def replay(self, cache: SequenceCache, inputs: DecoderInput, exact: bool | None = None,
+               tap: Tap | None = None) -> torch.Tensor:
         """Decoder half over the prompt tail; returns the next token's logits [V].
 
         The decoder windows continue where they end; a missing window starts at the
         first replayed position. Bounded (default): the last ``sliding_window`` tokens.
+        A ``tap`` on decoder layers records their input streams for the replayed tokens
+        (positions ``cache.length - n ..``, ``n`` = rows recorded).
         """
         exact = not self.bounded_replay if exact is None else exact
         windows = [cache.windows[i] for i in range(self.decoder_start, self.config.num_hidden_layers)]
@@ -149,30 +200,70 @@ class Engine:
                 cache.windows[i] = None
         segments = [_Segment(cache, inputs.positions, 0, len(inputs.positions))]
         layers = range(self.decoder_start, self.config.num_hidden_layers)
-        streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, {})
+        streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, {}, tap)
         return self.model.head(streams[-1:], pre[-1:])[0]
 
     @torch.no_grad()
-    def decode(self, batch: list[tuple[SequenceCache, list[int]]]) -> list[torch.Tensor]:
+    def decode(self, batch: list[tuple[SequenceCache, list[int]]], tap: Tap | None = None) -> list[torch.Tensor]:
         """One step: every sequence's new tokens through all layers; logits [n_i, V] each."""
+        return self._step(batch, tap, rewindable=False)[0]
+
+    @torch.no_grad()
+    def verify(self, batch: list[tuple[SequenceCache, list[int]]],
+               tap: Tap | None = None) -> tuple[list[torch.Tensor], list[Rewind]]:
+        """A decode step that can be taken back: logits [n_i, V] and a :class:`Rewind` per
+        sequence. Every cache must then go through :meth:`accept` before its next step."""
+        return self._step(batch, tap, rewindable=True)
+
+    def accept(self, cache: SequenceCache, rewind: Rewind, n: int) -> None:
+        """Keep the first ``n`` (1 .. ``rewind.n_tokens``) tokens of a :meth:`verify` step.
+
+        Afterwards the cache is what ``n`` tokens of :meth:`decode` would have left:
+        positions past ``rewind.length + n`` leave the windows, the entries and the
+        keys; each KV source's pending rows are the kept positions after its last
+        whole group; the n-gram context is advanced over the kept tokens only.
+        """
+        if not 1 <= n <= rewind.n_tokens:
+            raise ValueError(f"accept {n} of {rewind.n_tokens} tokens")
+        length = rewind.length + n
+        for window in cache.windows:
+            if window is None:
+                continue
+            window.rows.truncate(length - window.start)
+            excess = window.rows.n - self.window
+            if excess > 0:
+                window.rows.drop_front(excess)
+                window.start += excess
+        for source, (rows, positions) in rewind.pooling.items():
+            ratio = self._ratios[source]
+            groups = length // ratio
+            cache.entries[source].truncate(groups)
+            cache.keys[source].truncate(groups)
+            cache.pending[source] = rows[(positions >= groups * ratio) & (positions < length)]
+        if self.hasher is not None:
+            _, cache.ngram = self.hasher.hash_ids(rewind.token_ids[None, :n], rewind.ngram)
+        cache.length = length
+
+    def _step(self, batch, tap, rewindable: bool):
         device = self.model.embed.weight.device
         segments, ids, rows = [], [], []
         lo = 0
         for cache, tokens in batch:
             t = torch.tensor(tokens, dtype=torch.long, device=device)
             positions = torch.arange(cache.length, cache.length + len(tokens), device=device)
-            segments.append(_Segment(cache, positions, lo, lo + len(tokens)))
+            rewind = Rewind(cache.length, len(tokens), t, cache.ngram) if rewindable else None
+            segments.append(_Segment(cache, positions, lo, lo + len(tokens), rewind))
             ids.append(t)
             rows.append(self._table_rows(self._hash(cache, t)))
             lo += len(tokens)
         flat_ids = torch.cat(ids)
         flat_rows = {layer: torch.cat([r[layer] for r in rows]) for layer in (rows[0] if rows else {})}
         streams, pre = self.model.embed_streams(flat_ids[None])
-        streams, pre = self._run(segments, streams[0], pre[0], range(self.config.num_hidden_layers), flat_rows)
+        streams, pre = self._run(segments, streams[0], pre[0], range(self.config.num_hidden_layers), flat_rows, tap)
         for segment in segments:
             segment.cache.length += segment.hi - segment.lo
         logits = self.model.head(streams, pre)
-        return [logits[s.lo : s.hi] for s in segments]
+        return [logits[s.lo : s.hi] for s in segments], [s.rewind for s in segments]
 
     @torch.no_grad()
     def restore(self, cache: SequenceCache, token_ids: list[int]) -> DecoderInput:
@@ -198,7 +289,7 @@ class Engine:
         return DecoderInput(positions, streams, pre, ids)
 
     # ------------------------------------------------------------------ layers
-    def _run(self, segments: list[_Segment], streams, pre, layers: range, rows):
+    def _run(self, segments: list[_Segment], streams, pre, layers: range, rows, tap: Tap | None = None):
         """Blocks ``layers`` over the flat batch: streams [N, hc, D], pre [N, hc].
 
         ``rows`` maps Engram layers to their rows [N, cols, hd], or is a thunk that
@@ -207,6 +298,8 @@ class Engine:
         picks: list[dict] = [{} for _ in segments]  # per sequence: this step's indexer picks
         for index in layers:
             block = self.model.layers[index]
+            if tap is not None and index in tap.layers:
+                tap.streams[index] = streams
             streams = self._engram(block, streams, rows)
             attn_pre, attn_post, attn_comb = block.mixes(streams, "attn")
             x = block.attn_norm(mhc.collapse(streams, pre))
@@ -232,11 +325,13 @@ class Engine:
             for s in segments:
                 self._compress(block, s.cache, x[s.lo : s.hi], s.positions)
 
-    def _compress(self, block: Block, cache: SequenceCache, x: torch.Tensor, positions: torch.Tensor) -> None:
+    def _compress(self, block: Block, cache: SequenceCache, x: torch.Tensor, positions: torch.Tensor,
+                  rewind: Rewind | None = None) -> None:
         """Extend a KV source's long-range entries and indexer keys with complete groups.
 
         Positions already covered by stored entries are skipped (so replays never
         rewrite long-range state); the incomplete group's hidden states stay pending.
+        With ``rewind``, the rows pooled from are recorded for :meth:`accept`.
         """
         source, ratio = block.plan.index, block.plan.compress_ratio
         entries, pending = cache.entries[source], cache.pending[source]
@@ -248,6 +343,8 @@ class Engine:
         rows, row_pos = rows[keep], row_pos[keep]
         if rows.shape[0] and int(row_pos[0]) != covered:
             raise ValueError(f"layer {source}: pooling group starts at {int(row_pos[0])}, expected {covered}")
+        if rewind is not None:
+            rewind.pooling[source] = (rows, row_pos)
         n_groups = rows.shape[0] // ratio
         if n_groups:
             latent = block.attn.compressor(rows[None, : n_groups * ratio])
@@ -276,7 +373,7 @@ class Engine:
         mask = win_valid
         if plan.mode is not AttentionMode.WINDOW:
             if plan.mode is AttentionMode.FULL:
-                self._compress(block, cache, x, positions)
+                self._compress(block, cache, x, positions, segment.rewind)
             entries = cache.entries[plan.kv_source].values
             if plan.runs_indexer:
                 picks[plan.index] = self._pick(block, cache, x, q_residual, cos, sin, positions, picks)
@@ -289,7 +386,7 @@ class Engine:
             for i in range(0, len(positions), self.query_chunk)
         ])
         excess = window.rows.n - self.window
-        if excess > 0:
+        if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
             window.rows.drop_front(excess)
             window.start += excess
         return attn.output(out[None], cos, sin)[0]

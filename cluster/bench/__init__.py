@@ -17,6 +17,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "serve": ("cluster.bench.serve", "TTFT and tokens/s through HTTP, returning turn against cold, Serve overhead"),
     "store": ("cluster.bench.store", "tiered store GET/PUT throughput against the raw tiers"),
     "engram": ("cluster.bench.engram", "Engram service lookups and prefill with prefetch against in-process tables"),
+    "spec": ("cluster.bench.spec", "DSpark speculative decoding against plain, the scheduler against fixed k"),
 }
 
 

@@ -1,0 +1,175 @@
+"""`v41 bench spec`: DSpark speculative decoding against plain decoding, and the scheduler
+against fixed verify lengths.
+
+On a checkpoint with a trained drafter (by default ``configs/small`` with its
+``dspark_calibration.json``), greedy, prompts cut from the held-out files of the small
+model's corpus:
+
+- **single stream**: decode tokens/s of one request at a time, speculative (the
+  scheduler) against plain; the speculative tokens are checked equal to the plain ones;
+  acceptance length (tokens per request per backbone pass) and tokens per pass.
+- **batch throughput** at batch 1, 4, 16 (all requests start together): decode tokens/s
+  of the scheduler against fixed k = 1..5 and against plain decoding, over ``--repeats``
+  rounds in which the modes take turns.
+
+Decode tokens/s counts the tokens of ``step`` calls over the time spent in them (the
+first token of each request comes from its replay, the same in every mode). The
+scheduler's step-cost table is profiled first, as the decoder does when it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"), help="checkpoint directory")
+    parser.add_argument("--prompts", type=int, default=4, help="single-stream prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    parser.add_argument("--batches", default="1,4,16", help="batch sizes of the throughput table")
+    parser.add_argument("--fixed", default="1,2,3,4,5", help="fixed verify lengths to compare")
+    parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per request in the batch table")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds over all modes in the batch table (interleaved)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
+    """Windows of the held-out stdlib files (deterministic)."""
+    import torch
+
+    from cluster.commands.train_small import load_corpus, token_stream
+
+    stream = token_stream(tokenizer, load_corpus().held_out)
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - length, (n,), generator=generator).tolist()
+    return [stream[s : s + length].tolist() for s in starts]
+
+
+def _decode(engine, prompts, max_tokens: int, speculation):
+    """Run ``prompts`` together; returns (outputs, decode seconds, decode tokens, metrics)."""
+    from model.batcher import Batcher
+    from model.sampling import SamplingParams
+
+    batcher = Batcher(engine, max_batch=len(prompts), speculation=speculation)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out = {str(i): [batcher.add(str(i), params, prompt=p).token_id] for i, p in enumerate(prompts)}
+    seconds, tokens = 0.0, 0
+    while batcher.running:
+        start = time.perf_counter()
+        events = batcher.step()
+        seconds += time.perf_counter() - start
+        tokens += len(events)
+        for event in events:
+            out[event.request_id].append(event.token_id)
+    return [out[str(i)] for i in range(len(prompts))], seconds, tokens, batcher.metrics
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.cli import UserError
+    from model.batcher import Speculation
+    from model.config import ConfigError
+    from model.engine import Engine
+    from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer
+    from model.speculative import Calibration, SpecMetrics, SpeculativeDrafter, StepCost
+
+    try:
+        checkpoint = load_checkpoint(args.checkpoint)
+        tokenizer = load_tokenizer(args.checkpoint)
+        hasher = load_hasher(args.checkpoint, checkpoint.config)
+        batches = [int(b) for b in args.batches.split(",")]
+        fixed = [int(k) for k in args.fixed.split(",")]
+    except (CheckpointError, ConfigError, OSError, ValueError) as error:
+        raise UserError(str(error)) from None
+    if checkpoint.drafter is None:
+        raise UserError(f"{args.checkpoint} has no DSpark drafter")
+    calibration_path = args.checkpoint / "dspark_calibration.json"
+    calibration = Calibration.from_dict(json.loads(calibration_path.read_text())) if calibration_path.exists() else None
+    engine = Engine(checkpoint.backbone, hasher)
+    drafter = SpeculativeDrafter(checkpoint.drafter, engine, calibration)
+    k_max = drafter.block_size
+    if any(not 1 <= k <= k_max for k in fixed):
+        raise UserError(f"--fixed lengths must be in 1..{k_max}")
+
+    start = time.perf_counter()
+    cost = StepCost.profile(engine, drafter, requests=sorted({1, *batches}), max_tokens=k_max + 1)
+    profile_s = time.perf_counter() - start
+    scheduled = Speculation(drafter, "scheduled", cost=cost)
+    prompts = _prompts(tokenizer, max(args.prompts, max(batches)), args.prompt_tokens, args.seed)
+
+    # Single stream: one request at a time, plain and speculative alternated per prompt.
+    plain_s = spec_s = 0.0
+    plain_n = spec_n = 0
+    equal = True
+    single = SpecMetrics()
+    for prompt in prompts[: args.prompts]:
+        out_plain, s, n, _ = _decode(engine, [prompt], args.max_tokens, None)
+        plain_s, plain_n = plain_s + s, plain_n + n
+        out_spec, s, n, metrics = _decode(engine, [prompt], args.max_tokens, scheduled)
+        spec_s, spec_n = spec_s + s, spec_n + n
+        equal &= out_plain == out_spec
+        for name in ("passes", "request_steps", "emitted", "accepted", "verified"):
+            setattr(single, name, getattr(single, name) + getattr(metrics, name))
+        for length, count in metrics.verify_lengths.items():
+            single.verify_lengths[length] = single.verify_lengths.get(length, 0) + count
+    plain_tps, spec_tps = plain_n / plain_s, spec_n / spec_s
+
+    # Batch throughput: every mode at every batch size.
+    modes = [("plain", None)] + [(f"k={k}", Speculation(drafter, "fixed", k=k)) for k in fixed]
+    modes.append(("scheduler", scheduled))
+    table: dict[int, dict[str, float]] = {}
+    lengths: dict[int, dict[str, int]] = {}
+    for batch in batches:
+        seconds = {name: 0.0 for name, _ in modes}
+        tokens = {name: 0 for name, _ in modes}
+        lengths[batch] = {}
+        for _ in range(args.repeats):  # modes interleaved, so that load changes hit them alike
+            for name, speculation in modes:
+                _, s, n, metrics = _decode(engine, prompts[:batch], args.batch_tokens, speculation)
+                seconds[name] += s
+                tokens[name] += n
+                if name == "scheduler":
+                    for k, v in metrics.verify_lengths.items():
+                        lengths[batch][str(k)] = lengths[batch].get(str(k), 0) + v
+        table[batch] = {name: tokens[name] / seconds[name] for name, _ in modes}
+        lengths[batch] = dict(sorted(lengths[batch].items(), key=lambda item: int(item[0])))
+
+    print(f"DSpark speculative decoding ({args.checkpoint}, greedy, {args.max_tokens} tokens per request; "
+          f"step-cost profile {profile_s:.1f} s)")
+    print(f"\nsingle stream ({args.prompts} prompts)")
+    print(f"{'':>12}  {'tokens/s':>9}")
+    print(f"{'plain':>12}  {plain_tps:>9.2f}")
+    print(f"{'speculative':>12}  {spec_tps:>9.2f}   x{spec_tps / plain_tps:.2f}; outputs equal: {equal}")
+    print(f"acceptance length {single.acceptance_length:.3f} tokens per pass; guesses accepted "
+          f"{single.accepted}/{single.verified}; verify lengths {single.to_dict()['verify_lengths']}")
+    names = [name for name, _ in modes]
+    print(f"\nbatch throughput, decode tokens/s ({args.batch_tokens} tokens per request, {args.repeats} rounds)")
+    print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in names) + f"  {'sched/best k':>12}")
+    best_ratio = {}
+    for batch in batches:
+        best_fixed = max(table[batch][f"k={k}"] for k in fixed)
+        best_ratio[batch] = table[batch]["scheduler"] / best_fixed
+        print(f"{batch:>5}  " + "  ".join(f"{table[batch][n]:>9.2f}" for n in names) + f"  {best_ratio[batch]:>12.3f}")
+    print("scheduled verify lengths: " + "; ".join(f"batch {b}: {lengths[b]}" for b in batches))
+    result = {
+        "checkpoint": str(args.checkpoint),
+        "calibrated": calibration is not None,
+        "single_stream_tokens_per_s": {"plain": round(plain_tps, 3), "speculative": round(spec_tps, 3)},
+        "single_stream_speedup": round(spec_tps / plain_tps, 4),
+        "greedy_outputs_equal": equal,
+        "acceptance_length": round(single.acceptance_length, 4),
+        "tokens_per_pass": round(single.tokens_per_pass, 4),
+        "single_stream_verify_lengths": single.to_dict()["verify_lengths"],
+        "batch_tokens_per_s": {str(b): {n: round(v, 3) for n, v in table[b].items()} for b in batches},
+        "scheduler_over_best_fixed_k": {str(b): round(r, 4) for b, r in best_ratio.items()},
+        "scheduled_verify_lengths": {str(b): lengths[b] for b in batches},
+        "step_cost_s": cost.to_dict(),
+    }
+    if 16 in best_ratio:
+        result["scheduler_over_best_fixed_k_batch16"] = round(best_ratio[16], 4)
+    if args.json:
+        print(json.dumps(result))
+    return 0

@@ -1,0 +1,473 @@
+"""DSpark speculative decoding: drafting, lossless verification, and the goodput scheduler.
+
+One speculative step for a batch of requests (:class:`model.batcher.Batcher` drives it):
+
+1. **Draft** (:meth:`SpeculativeDrafter.propose`): every request's anchor (its last
+   token, not yet fed) and its drafter context (:class:`DraftContext`: the drafter
+   layers' window entries of the last ``sliding_window`` fed positions, made from the
+   target layers' attention-input streams) give ``dspark_block_size`` guesses in one
+   parallel drafter pass, then the Markov head picks them left to right with the
+   request's own sampling parameters; the confidence head gives c_1..c_K, calibrated
+   per position by temperature (:class:`Calibration`).
+2. **Schedule** (:func:`schedule`): how many guesses of each request to verify.
+   ``"scheduled"`` is Algorithm 1 of the DSpark paper with its early stop, on the
+   steps-per-second table :class:`StepCost` profiled when the decoder starts;
+   ``"fixed"`` verifies k guesses of every request; ``"off"`` decodes plainly.
+3. **Verify**: one backbone pass (:meth:`model.engine.Engine.verify`) over every
+   request's ``[anchor, admitted guesses]``; the engine's causal attention handles
+   several new tokens per sequence.
+4. **Accept** (:func:`accept_tokens`): greedy requests keep guesses while they equal the
+   target's argmax, then take the target's token (so greedy output equals plain greedy
+   output); sampled requests use rejection sampling against
+   :func:`model.sampling.probabilities` (accept ``x ~ q`` with ``min(1, p(x)/q(x))``, on
+   rejection draw from ``norm(max(0, p - q))``, after a fully accepted prefix draw the
+   bonus from ``p``), which preserves the target distribution exactly.
+5. **Roll back** (:meth:`model.engine.Engine.accept`) every cache to its kept tokens,
+   and extend each drafter context with the kept positions' streams.
+
+SPS(B): the paper profiles one curve over the batch's token count B. This engine runs
+attention per sequence, so a step's cost depends on the number of requests R as well
+as on B; :class:`StepCost` is a table over (R, tokens per request), read at the current
+R — at fixed R it is the paper's curve. It times a whole speculative step (the draft
+pass plus the verify pass), so the throughput the scheduler maximises is tokens per
+second of wall clock.
+
+No I/O here: calibration temperatures are read and written as dicts by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import SequenceCache
+from .dspark import DSparkDrafter, Proposal
+from .engine import Engine, Tap
+from .sampling import SamplingParams, probabilities
+
+MODES = ("off", "fixed", "scheduled")
+
+
+# ---------------------------------------------------------------------- drafter context
+
+
+@dataclass
+class DraftContext:
+    """One request's drafter window: per drafter layer the entries [T, head_dim] of the
+    last ``sliding_window`` fed positions ``positions`` [T] (oldest first)."""
+
+    entries: list[torch.Tensor]
+    positions: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        """The position after the newest entry (the next anchor's position)."""
+        return int(self.positions[-1]) + 1 if self.positions.numel() else 0
+
+
+class SpeculativeDrafter:
+    """A :class:`DSparkDrafter` bound to a backbone: contexts, proposals, calibration."""
+
+    def __init__(self, drafter: DSparkDrafter, engine: Engine, calibration: "Calibration | None" = None):
+        self.drafter, self.engine = drafter.eval(), engine
+        self.model = engine.model
+        self.targets = tuple(drafter.config.dspark_target_layer_ids)
+        self.block_size = drafter.block_size
+        self.window = drafter.window
+        self.calibration = calibration or Calibration.identity(self.block_size)
+
+    def tap(self) -> Tap:
+        return Tap(self.targets)
+
+    @torch.no_grad()
+    def extend(self, contexts: Sequence[DraftContext | None], features: Sequence[torch.Tensor],
+               positions: Sequence[torch.Tensor]) -> list[DraftContext]:
+        """Append fed positions to each request's context (one drafter projection for all).
+
+        ``features[i]`` [n_i, n_targets, hc, D] are the target layers' input streams of
+        request ``i``'s positions ``positions[i]`` [n_i] (from a :class:`Tap`).
+        """
+        flat = torch.cat(list(features))[None]  # [1, N, n_targets, hc, D]
+        flat_pos = torch.cat(list(positions))[None]
+        entries = self.drafter.context_entries(self.drafter.project_context(flat), flat_pos)  # per layer [1, N, hd]
+        out, lo = [], 0
+        for context, pos in zip(contexts, positions):
+            hi = lo + len(pos)
+            new = [e[0, lo:hi] for e in entries]
+            if context is not None and context.positions.numel():
+                if context.end != int(pos[0]):
+                    raise ValueError(f"drafter context ends at {context.end}, new positions start at {int(pos[0])}")
+                new = [torch.cat((old, e)) for old, e in zip(context.entries, new)]
+                pos = torch.cat((context.positions, pos))
+            out.append(DraftContext([e[-self.window :] for e in new], pos[-self.window :]))
+            lo = hi
+        return out
+
+    @torch.no_grad()
+    def propose(self, contexts: Sequence[DraftContext], anchors: Sequence[int], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> "Drafted":
+        """Guesses for every request from one parallel drafter pass.
+
+        The anchor of request ``i`` sits at ``contexts[i].end``. Greedy requests take the
+        argmax at each position, sampled ones draw from ``probabilities(logits, params)``
+        with their own generator (one uniform per position), so that the draft
+        distribution ``q`` used by the rejection sampler is exactly the one drawn from.
+        """
+        device = self.model.embed.weight.device
+        width = max(len(c.positions) for c in contexts)
+        anchor_pos = torch.tensor([c.end for c in contexts], dtype=torch.long, device=device)
+        entries, entry_pos = [], torch.empty(len(contexts), width, dtype=torch.long, device=device)
+        for layer in range(len(self.drafter.mtp)):
+            padded = torch.zeros(len(contexts), width, contexts[0].entries[layer].shape[-1], device=device)
+            for i, c in enumerate(contexts):
+                padded[i, : len(c.positions)] = c.entries[layer]
+            entries.append(padded)
+        for i, c in enumerate(contexts):
+            # Padding sits at the anchor's own position, which the draft mask excludes.
+            entry_pos[i] = anchor_pos[i]
+            entry_pos[i, : len(c.positions)] = c.positions
+        anchor_ids = torch.tensor(list(anchors), dtype=torch.long, device=device)
+        draft = self.drafter.draft(entries, entry_pos, anchor_ids, anchor_pos, self.model.embed, self.model.lm_head)
+        sampled = [not p.greedy for p in params]
+        q: list[torch.Tensor] = []
+
+        def pick(step: torch.Tensor) -> torch.Tensor:
+            tokens = step.argmax(dim=-1)
+            if any(sampled):
+                probs = probabilities(step, params)
+                q.append(probs)
+                for i, is_sampled in enumerate(sampled):
+                    if is_sampled:
+                        tokens[i] = _draw(probs[i], generators[i])
+            return tokens
+
+        proposal = self.drafter.propose(draft, anchor_ids, pick=pick)
+        confidence = self.calibration.apply(proposal.confidence_logits)
+        return Drafted(proposal, confidence, confidence.cumprod(dim=-1), torch.stack(q, dim=1) if q else None)
+
+
+@dataclass
+class Drafted:
+    """A batch's proposal: ``tokens`` via ``proposal`` [R, K]; calibrated ``confidence`` c
+    and ``survival`` a = prod c [R, K]; ``q`` [R, K, V] the draft distributions the
+    sampled rows drew from (None when every request is greedy)."""
+
+    proposal: Proposal
+    confidence: torch.Tensor
+    survival: torch.Tensor
+    q: torch.Tensor | None
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One inverse-CDF draw from ``probs`` [V] (float64), one uniform from ``generator``."""
+    if generator is None:
+        raise ValueError("a sampled request needs a generator")
+    u = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64).to(probs.device)
+    cdf = probs.double().cumsum(-1)
+    return int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).clamp_(max=probs.shape[-1] - 1))
+
+
+# ---------------------------------------------------------------------- acceptance
+
+
+def accept_tokens(target_logits: torch.Tensor, guesses: Sequence[int], params: SamplingParams,
+                  generator: torch.Generator | None, q: torch.Tensor | None = None) -> tuple[int, list[int]]:
+    """Verify one request's guesses; returns (accepted guesses m, emitted tokens: m + 1).
+
+    ``target_logits`` [l + 1, V]: the backbone's logits at the anchor and at each of the
+    ``l`` guesses; ``q`` [>= l, V]: the draft distributions the guesses were drawn from
+    (sampled requests only).
+
+    Greedy: guess j is kept while it equals the target's argmax (the token plain greedy
+    decoding would produce), and the first mismatch is replaced by that argmax.
+    Sampled: standard speculative rejection sampling; the output tokens are distributed
+    exactly as sampling from ``probabilities(target_logits[j], params)`` one at a time.
+    """
+    n = len(guesses)
+    if target_logits.shape[0] != n + 1:
+        raise ValueError(f"{target_logits.shape[0]} target rows for {n} guesses")
+    if params.greedy:
+        target = target_logits.argmax(dim=-1).tolist()
+        m = 0
+        while m < n and guesses[m] == target[m]:
+            m += 1
+        return m, list(guesses[:m]) + [target[m]]
+    if q is None or q.shape[0] < n:
+        raise ValueError("a sampled request needs the draft distributions of its guesses")
+    p = probabilities(target_logits, [params] * (n + 1)).double()
+    out: list[int] = []
+    for j, x in enumerate(guesses):
+        px, qx = float(p[j, x]), float(q[j, x])
+        u = float(torch.rand((), generator=generator, device=generator.device, dtype=torch.float64))
+        if qx > 0 and u * qx < px:  # u < p/q without dividing
+            out.append(x)
+            continue
+        residual = (p[j] - q[j].double()).clamp_min(0.0)
+        if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
+            residual = p[j]
+        return j, out + [_draw(residual / residual.sum(), generator)]
+    return n, out + [_draw(p[n], generator)]
+
+
+# ---------------------------------------------------------------------- calibration
+
+
+@dataclass
+class Calibration:
+    """Per-position temperatures of the confidence head: c_k = sigmoid(logit_k / T_k).
+
+    Fitted with Sequential Temperature Scaling (the paper's STS): left to right, each
+    T_k is the grid value that minimises the expected calibration error of the prefix
+    survival prod_{i<=k} c_i against observed prefix acceptance, the earlier
+    temperatures held fixed. Order-preserving at each position.
+    """
+
+    temperatures: list[float]
+    ece_before: list[float] = field(default_factory=list)
+    ece_after: list[float] = field(default_factory=list)
+
+    @classmethod
+    def identity(cls, positions: int) -> "Calibration":
+        return cls([1.0] * positions)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Confidence logits [..., K] -> calibrated c [..., K]."""
+        t = torch.tensor(self.temperatures[: logits.shape[-1]], dtype=torch.float32, device=logits.device)
+        return torch.sigmoid(logits.float() / t)
+
+    def to_dict(self) -> dict:
+        return {"temperatures": [round(t, 6) for t in self.temperatures],
+                "ece_before": [round(e, 6) for e in self.ece_before], "ece_after": [round(e, 6) for e in self.ece_after]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Calibration":
+        temperatures = [float(t) for t in data["temperatures"]]
+        if not temperatures or any(not math.isfinite(t) or t <= 0 for t in temperatures):
+            raise ValueError(f"calibration temperatures must be positive numbers, got {data['temperatures']!r}")
+        return cls(temperatures, list(data.get("ece_before", [])), list(data.get("ece_after", [])))
+
+    @classmethod
+    def fit(cls, logits: torch.Tensor, accepted: torch.Tensor, bins: int = 10,
+            grid: torch.Tensor | None = None) -> "Calibration":
+        """STS on held-out blocks: ``logits`` [N, K] confidence logits, ``accepted`` [N, K]
+        bool, True where the first k guesses all survived verification."""
+        grid = torch.logspace(-1.0, 1.5, 241) if grid is None else grid
+        logits, labels = logits.double(), accepted.double()
+        temperatures, before, after = [], [], []
+        prefix = torch.ones(logits.shape[0], dtype=torch.float64)
+        raw_prefix = torch.ones_like(prefix)
+        for k in range(logits.shape[1]):
+            raw_prefix = raw_prefix * torch.sigmoid(logits[:, k])
+            before.append(expected_calibration_error(raw_prefix, labels[:, k], bins))
+            errors = torch.stack([torch.tensor(expected_calibration_error(prefix * torch.sigmoid(logits[:, k] / t),
+                                                                           labels[:, k], bins)) for t in grid])
+            best = float(grid[int(errors.argmin())])
+            temperatures.append(best)
+            prefix = prefix * torch.sigmoid(logits[:, k] / best)
+            after.append(float(errors.min()))
+        return cls(temperatures, before, after)
+
+
+def expected_calibration_error(predicted: torch.Tensor, observed: torch.Tensor, bins: int = 10) -> float:
+    """ECE of probabilities ``predicted`` [N] against 0/1 outcomes ``observed`` [N], equal-width bins."""
+    index = (predicted * bins).long().clamp_(0, bins - 1)
+    count = torch.zeros(bins, dtype=torch.float64).scatter_add_(0, index, torch.ones_like(predicted, dtype=torch.float64))
+    pred = torch.zeros(bins, dtype=torch.float64).scatter_add_(0, index, predicted.double())
+    obs = torch.zeros(bins, dtype=torch.float64).scatter_add_(0, index, observed.double())
+    return float((pred - obs).abs().sum() / max(1, predicted.numel()))
+
+
+# ---------------------------------------------------------------------- cost and scheduler
+
+
+class StepCost:
+    """Seconds per speculative step as a table over (requests R, tokens per request t).
+
+    ``seconds[(R, t)]``: one step of R requests that each verify t tokens (anchor +
+    t - 1 guesses), draft pass included. :meth:`sps` reads steps per second at R
+    requests and B batch tokens, linear between table points (and beyond the largest
+    R, proportional to R).
+    """
+
+    def __init__(self, seconds: dict[tuple[int, int], float]):
+        if not seconds:
+            raise ValueError("an empty step-cost table")
+        self.seconds = dict(seconds)
+        self.requests = sorted({r for r, _ in seconds})
+        self.max_tokens = {r: max(t for rr, t in seconds if rr == r) for r in self.requests}
+
+    def _at(self, r: int, t: float) -> float:
+        ts = sorted(tt for rr, tt in self.seconds if rr == r)
+        t = min(max(t, ts[0]), ts[-1])
+        lo = max(x for x in ts if x <= t)
+        hi = min(x for x in ts if x >= t)
+        if lo == hi:
+            return self.seconds[(r, lo)]
+        w = (t - lo) / (hi - lo)
+        return (1 - w) * self.seconds[(r, lo)] + w * self.seconds[(r, hi)]
+
+    def seconds_per_step(self, requests: int, tokens: int) -> float:
+        t = tokens / requests
+        rs = self.requests
+        if requests >= rs[-1]:
+            return self._at(rs[-1], t) * requests / rs[-1]
+        if requests <= rs[0]:
+            return self._at(rs[0], t)
+        lo = max(r for r in rs if r <= requests)
+        hi = min(r for r in rs if r >= requests)
+        if lo == hi:
+            return self._at(lo, t)
+        w = (requests - lo) / (hi - lo)
+        return (1 - w) * self._at(lo, t) + w * self._at(hi, t)
+
+    def sps(self, requests: int, tokens: int) -> float:
+        """Steps per second with ``requests`` requests and ``tokens`` batch tokens."""
+        return 1.0 / self.seconds_per_step(requests, tokens)
+
+    def to_dict(self) -> dict:
+        return {f"{r}x{t}": round(s, 6) for (r, t), s in sorted(self.seconds.items())}
+
+    @classmethod
+    def profile(cls, engine: Engine, drafter: SpeculativeDrafter | None, requests: Sequence[int] = (1, 2, 4, 8, 16),
+                max_tokens: int = 6, context: int = 96, repeats: int = 3, seed: int = 0) -> "StepCost":
+        """Time real steps on synthetic caches (random entries in the real formats, full
+        windows): for each R and t = 1..max_tokens, the median of ``repeats`` draft +
+        verify + accept steps (a step's cost does not depend on the values)."""
+        generator = torch.Generator().manual_seed(seed)
+        seconds = {}
+        for r in requests:
+            caches = [synthetic_cache(engine, context, generator) for _ in range(r)]
+            contexts = None
+            if drafter is not None:  # a fixed context: the draft's cost does not depend on it
+                feats = [torch.randn(drafter.window, len(drafter.targets), engine.config.hc_mult,
+                                     engine.config.hidden_size, generator=generator) for _ in range(r)]
+                pos = [torch.arange(context - drafter.window, context) for _ in range(r)]
+                contexts = drafter.extend([None] * r, feats, pos)
+            greedy = [SamplingParams(temperature=0.0)] * r
+            for t in range(1, max_tokens + 1):
+                def step():
+                    if contexts is not None:
+                        drafter.propose(contexts, [5] * r, greedy, [None] * r)
+                    _, rewinds = engine.verify([(c, [5] * t) for c in caches])
+                    for c, rw in zip(caches, rewinds):
+                        engine.accept(c, rw, 1)  # the context grows by one token a step
+                step()  # warm-up
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - start)
+                seconds[(r, t)] = statistics.median(times)
+        return cls(_smooth(seconds))
+
+
+def _smooth(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Least-squares line over t per R (slope >= 0): timing noise must not put a bump
+    in the curve, where Algorithm 1's early stop would end the admission too soon."""
+    out = {}
+    for r in sorted({r for r, _ in seconds}):
+        ts = sorted(t for rr, t in seconds if rr == r)
+        ys = [seconds[(r, t)] for t in ts]
+        if len(ts) == 1:
+            out[(r, ts[0])] = ys[0]
+            continue
+        mean_t, mean_y = sum(ts) / len(ts), sum(ys) / len(ys)
+        slope = sum((t - mean_t) * (y - mean_y) for t, y in zip(ts, ys)) / sum((t - mean_t) ** 2 for t in ts)
+        slope = max(0.0, slope)
+        out.update({(r, t): mean_y + slope * (t - mean_t) for t in ts})
+    return out
+
+
+def synthetic_cache(engine: Engine, context: int, generator: torch.Generator) -> SequenceCache:
+    """A cache of ``context`` positions with random long-range entries and full windows."""
+    config = engine.config
+    cache = engine.new_cache()
+    for plan in config.layer_plans():
+        if plan.is_kv_source:
+            n = context // plan.compress_ratio
+            cache.entries[plan.index].append(torch.randn(n, config.head_dim, generator=generator))
+            cache.keys[plan.index].append(torch.randn(n, config.index_head_dim, generator=generator))
+            cache.pending[plan.index] = torch.randn(context % plan.compress_ratio, config.hidden_size,
+                                                    generator=generator)
+    for layer in range(config.num_hidden_layers):
+        window = cache.new_window(layer, context - config.sliding_window)
+        window.rows.append(torch.randn(config.sliding_window, config.head_dim, generator=generator))
+    cache.length = context
+    return cache
+
+
+def schedule(survival: torch.Tensor, cost: StepCost) -> list[int]:
+    """Algorithm 1 (hardware-aware prefix scheduler) with its early stop.
+
+    ``survival`` [R, K]: a_{r,j} = prod_{i<=j} c_{r,i}. Candidates (r, j) are admitted in
+    descending a (ties: earlier j first, so a request's prefix is admitted in order);
+    each admission adds one batch token and a_{r,j} expected tokens; the first admission
+    that does not raise tau * SPS(R, B) stops the search. Returns verify lengths l_r.
+    """
+    r_count, k = survival.shape
+    a = survival.double().tolist()
+    order = sorted(((a[r][j], j, r) for r in range(r_count) for j in range(k) if a[r][j] > 0),
+                   key=lambda item: (-item[0], item[1], item[2]))
+    lengths = [0] * r_count
+    tokens, expected = r_count, float(r_count)
+    best = expected * cost.sps(r_count, tokens)
+    for value, j, r in order:
+        if j != lengths[r]:  # a later guess before an earlier one: only ties could do this
+            break
+        tokens += 1
+        expected += value
+        throughput = expected * cost.sps(r_count, tokens)
+        if throughput <= best:
+            break
+        best = throughput
+        lengths[r] = j + 1
+    return lengths
+
+
+def fixed_lengths(requests: int, k: int, block_size: int) -> list[int]:
+    return [min(k, block_size)] * requests
+
+
+# ---------------------------------------------------------------------- metrics
+
+
+@dataclass
+class SpecMetrics:
+    """Counters of a speculative batcher.
+
+    ``passes``: backbone verify passes; ``request_steps``: (request, pass) pairs;
+    ``emitted``: tokens out; ``accepted``: guesses accepted; ``verified``: guesses
+    verified; ``verify_lengths[l]``: how often a request was scheduled l guesses.
+    """
+
+    passes: int = 0
+    request_steps: int = 0
+    emitted: int = 0
+    accepted: int = 0
+    verified: int = 0
+    verify_lengths: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per request per pass (accepted guesses + the target's own token)."""
+        return self.emitted / max(1, self.request_steps)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens out per backbone pass, over the whole batch."""
+        return self.emitted / max(1, self.passes)
+
+    def to_dict(self) -> dict:
+        return {
+            "passes": self.passes, "request_steps": self.request_steps, "emitted": self.emitted,
+            "accepted": self.accepted, "verified": self.verified,
+            "acceptance_length": round(self.acceptance_length, 4),
+            "tokens_per_pass": round(self.tokens_per_pass, 4),
+            "guess_acceptance_rate": round(self.accepted / max(1, self.verified), 4),
+            "verify_lengths": {str(k): v for k, v in sorted(self.verify_lengths.items())},
+        }
