@@ -41,3 +41,17 @@ def golden_hasher(golden_model):
 @pytest.fixture(scope="session")
 def golden_prompts() -> list[list[int]]:
     return [p["input_ids"] for p in json.loads((GOLDEN / "inputs.json").read_text())["prompts"]]
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone():
+    """configs/tiny (every mechanism) with random weights: (text config, model, hasher)."""
+    from model.config import ModelConfig
+    from model.engram import EngramLayout, NgramHasher
+    from model.loader import load_tokenizer
+    from model.transformer import Transformer
+
+    config = ModelConfig.load("configs/tiny").text
+    model = Transformer(config).init_weights(seed=3, std=0.08).eval()
+    hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(config), load_tokenizer("configs/tiny"))
+    return config, model, hasher

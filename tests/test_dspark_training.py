@@ -6,23 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import ModelConfig
 from model.dspark import DSparkDrafter, draft_loss, target_streams
 from model.engine import Engine, Tap
-from model.engram import EngramLayout, NgramHasher
-from model.loader import load_tokenizer
 from model.training import init_module
-from model.transformer import Transformer
 
 TINY = "configs/tiny"
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    config = ModelConfig.load(TINY).text
-    model = Transformer(config).init_weights(seed=3, std=0.08).eval()
-    hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(config), load_tokenizer(TINY))
-    return config, model, hasher
+def tiny(tiny_backbone):
+    return tiny_backbone
 
 
 def test_target_streams_are_the_reference_forward_and_the_engine_tap(tiny):

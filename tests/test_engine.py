@@ -9,21 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.config import ModelConfig
 from model.engine import Engine
-from model.engram import EngramLayout, NgramHasher
-from model.loader import load_tokenizer
-from model.transformer import Transformer
 
 TINY = "configs/tiny"
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny(tiny_backbone):
     """The tiny config (every mechanism) with random weights, and its hasher."""
-    config = ModelConfig.load(TINY).text
-    model = Transformer(config).init_weights(seed=3, std=0.08).eval()
-    hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(config), load_tokenizer(TINY))
+    _, model, hasher = tiny_backbone
     return model, hasher
 
 

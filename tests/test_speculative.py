@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from model.batcher import Batcher, Speculation, generate
-from model.config import ModelConfig
 from model.dspark import DSparkDrafter
 from model.engine import Engine
-from model.engram import EngramLayout, NgramHasher
-from model.loader import load_tokenizer
 from model.sampling import SamplingParams
 from model.speculative import (
     Calibration,
@@ -25,16 +22,13 @@ from model.speculative import (
     schedule,
 )
 from model.training import init_module
-from model.transformer import Transformer
 
 TINY = "configs/tiny"
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    config = ModelConfig.load(TINY).text
-    model = Transformer(config).init_weights(seed=3, std=0.08).eval()
-    hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(config), load_tokenizer(TINY))
+def tiny(tiny_backbone):
+    config, model, hasher = tiny_backbone
     drafter = init_module(DSparkDrafter(config), seed=1, std=0.08).eval()
     return Engine(model, hasher), drafter
 

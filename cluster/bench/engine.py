@@ -34,26 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="prefill repetitions per path")
 
 
-def _synthetic_cache(engine, context: int, generator):
-    """A cache of ``context`` tokens with random long-range entries and full windows."""
-    import torch
-
-    config = engine.config
-    cache = engine.new_cache()
-    for plan in config.layer_plans():
-        if plan.is_kv_source:
-            n = context // plan.compress_ratio
-            cache.entries[plan.index].append(torch.randn(n, config.head_dim, generator=generator))
-            cache.keys[plan.index].append(torch.randn(n, config.index_head_dim, generator=generator))
-            cache.pending[plan.index] = torch.randn(context % plan.compress_ratio, config.hidden_size,
-                                                    generator=generator)
-    for layer in range(config.num_hidden_layers):
-        window = cache.new_window(layer, context - config.sliding_window)
-        window.rows.append(torch.randn(config.sliding_window, config.head_dim, generator=generator))
-    cache.length = context
-    return cache
-
-
 def _time(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -68,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from model.engine import Engine
     from model.engram import EngramLayout, NgramHasher
     from model.loader import CheckpointError, load_tokenizer
+    from model.speculative import synthetic_cache
     from model.transformer import Transformer
 
     try:
@@ -84,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     decode: dict[int, float] = {}
     for context in contexts:
-        cache = _synthetic_cache(engine, context, generator)
+        cache = synthetic_cache(engine, context, generator)
         token = [5]
         engine.decode([(cache, token)])  # warm-up
         decode[context] = statistics.median(_time(lambda: engine.decode([(cache, token)])) for _ in range(args.steps))
