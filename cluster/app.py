@@ -106,31 +106,43 @@ class AppConfig:
                                persist_window_states=self.persist_window_states, **extra)
 
 
-class ModelBundle:
-    """What every replica loads: model, tokenizer, hasher, and the state naming."""
+class ModelIdentity:
+    """What the router and every replica agree on: config, tokenizer, state naming."""
+
+    def __init__(self, config: AppConfig):
+        from actors.state import StateNaming
+        from model.chat import ChatTemplate, Tokenizer
+        from model.config import ModelConfig
+        from model.loader import weights_digest
+        from model.serialize import StateIdentity
+
+        self.model_config = ModelConfig.load(config.model)
+        text = self.model_config.text
+        self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
+        self.template = ChatTemplate(self.tokenizer)
+        identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
+        self.naming = StateNaming.of(identity, text, config.chunk_tokens)
+        eos = text.eos_token_id
+        self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
+
+
+class ModelBundle(ModelIdentity):
+    """What every replica loads besides: the model (whole, or the encoder half), the
+    Engram hasher, and an engine."""
 
     def __init__(self, config: AppConfig, drop_decoder: bool = False):
         import torch
 
-        from actors.state import StateNaming
-        from model.chat import ChatTemplate, Tokenizer
         from model.engine import Engine
-        from model.loader import load_hasher, load_model, weights_digest
-        from model.serialize import StateIdentity
+        from model.loader import load_hasher, load_model
 
+        super().__init__(config)
         torch.set_num_threads(config.threads)
-        self.model_config, model = load_model(config.model)
-        text = self.model_config.text
-        self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
-        self.template = ChatTemplate(self.tokenizer)
+        _, model = load_model(config.model)
         self.hasher = load_hasher(config.model, self.model_config)
-        identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
-        self.naming = StateNaming.of(identity, text, config.chunk_tokens)
         if drop_decoder:
             model.keep_encoder_only()
         self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay)
-        eos = text.eos_token_id
-        self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
 
     def store(self, config: AppConfig):
         from actors.store import StoreSettings, node_store
@@ -171,14 +183,15 @@ class PrefillPool:
         """``engram``: an Engram lookup the router started when the prompt arrived; its
         rows are awaited only right before the first Engram layer."""
         loop = asyncio.get_running_loop()
-        rows = None
-        if engram is not None:
-            def rows():
-                start = time.perf_counter()
-                try:
-                    return engram.rows()
-                finally:
-                    self.metrics.engram_wait.observe(time.perf_counter() - start)
+
+        def timed_rows():
+            start = time.perf_counter()
+            try:
+                return engram.rows()
+            finally:
+                self.metrics.engram_wait.observe(time.perf_counter() - start)
+
+        rows = timed_rows if engram is not None else None
         handoff = await loop.run_in_executor(self.executor, self.service.prefill, plan, rows)
         self.metrics.prefill.observe(handoff.prefill_s)
         return handoff
@@ -263,21 +276,13 @@ class Router:
     """The OpenAI-compatible ingress: tokenise, plan the cache, route, stream."""
 
     def __init__(self, config: AppConfig, prefill, decoder):
-        from model.chat import Tokenizer, ChatTemplate
+        from cluster.metrics import RouterMetrics
 
         self.config, self.prefill, self.decoder = config, prefill, decoder
-        from model.config import ModelConfig
-
-        self.model_config = ModelConfig.load(config.model)
-        text = self.model_config.text
-        self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
-        self.template = ChatTemplate(self.tokenizer)
-        from actors.state import StateNaming
-        from model.loader import weights_digest
-        from model.serialize import StateIdentity
-
-        identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
-        self.naming = StateNaming.of(identity, text, config.chunk_tokens)
+        model = ModelIdentity(config)
+        self.model_config, self.tokenizer, self.template = model.model_config, model.tokenizer, model.template
+        self.naming = model.naming
+        self.metrics = RouterMetrics()
         self.index = None
         if config.redis_url:
             from storage.index import RedisIndex
@@ -289,9 +294,6 @@ class Router:
         # conversation re-renders them verbatim and its prefix stays cached.
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
         self.think_end = self.tokenizer.special.think_end
-        from cluster.metrics import RouterMetrics
-
-        self.metrics = RouterMetrics()
         self.engram, self.hasher = None, None
         if config.engram_shards:
             import ray
@@ -334,8 +336,6 @@ class Router:
         return CachePlan(tuple(tokens), depth, nodes)
 
     def _render(self, request: api.GenerationRequest) -> list[int]:
-        from model.chat import Message
-
         if request.prompt is not None:
             if isinstance(request.prompt, tuple):
                 return list(request.prompt)
