@@ -52,7 +52,7 @@ from .attention import CSA2Attention, Indexer, candidate_blocks, visible_entries
 from .config import AttentionMode
 from .formats import COMPRESSED_KV, ENGRAM_ROW, INDEXER_KEY, WINDOW_KV
 from .rope import apply_rotary
-from .transformer import Transformer
+from .transformer import Transformer, init_module
 
 __all__ = [
     "Muon",
@@ -320,22 +320,6 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- init, balancing
-
-
-@torch.no_grad()
-def init_module(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
-    """:meth:`Transformer.init_weights`'s rule for any module (the DSpark drafter):
-    matrices and tables ~ N(0, std); norms and scales 1; biases, bases and sinks 0."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, param in module.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name or leaf in ("q_weight", "k_weight", "scale") or leaf.endswith("_scale"):
-            param.fill_(1.0)
-        elif leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
-            param.zero_()
-        else:
-            param.copy_(torch.randn(param.shape, generator=generator) * std)
-    return module
 
 
 @torch.no_grad()

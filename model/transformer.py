@@ -26,6 +26,22 @@ from .norm import RMSNorm
 from .rope import Rotary
 
 
+@torch.no_grad()
+def init_module(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
+    """Random initialisation of any V4.1 module (backbone, drafter): matrices and tables
+    ~ N(0, std); norms and scales 1; biases, mHC bases and sinks 0."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name or leaf in ("q_weight", "k_weight", "scale") or leaf.endswith("_scale"):
+            param.fill_(1.0)
+        elif leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
+            param.zero_()
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return module
+
+
 class Block(nn.Module):
     """One backbone layer: optional Engram write, attention and MoE under mHC."""
 
@@ -118,16 +134,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int, std: float | None = None) -> "Transformer":
         """Random initialisation (tests, training from scratch): matrices and tables
         ~ N(0, std), norms and mHC scales 1, biases, mHC bases and sinks 0."""
-        std = self.config.initializer_range if std is None else std
-        generator = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in name or leaf in ("q_weight", "k_weight", "scale") or leaf.endswith("_scale"):
-                param.fill_(1.0)
-            elif leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
-                param.zero_()
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+        init_module(self, seed, self.config.initializer_range if std is None else std)
         return self
 
     # ------------------------------------------------------------------ reference
