@@ -2,9 +2,10 @@
 
 The router (or the prefill pool) calls :meth:`EngramClient.start` the moment a
 prompt's Engram row ids are known; it returns an :class:`EngramLookup` at once, whose
-requests are already on their way. The prefill calls :meth:`EngramLookup.rows` right
-before its first Engram layer: that blocks for the answers, dequantises them and
-returns ``{layer_id: float32 rows [..., n_cols, head_dim]}``, the same numbers as
+requests are already on their way. The process that will run the prefill calls
+:meth:`EngramLookup.prepare` (a background thread waits for the answers and
+dequantises them as they come) and then :meth:`EngramLookup.rows` right before its
+first Engram layer, which returns ``{layer_id: float32 rows [..., n_cols, head_dim]}``, the same numbers as
 ``block.engram.lookup(ids)`` on in-process tables.
 
 Per lookup and table, duplicate row ids are fetched once (``torch.unique``); since the
@@ -25,6 +26,7 @@ This module knows nothing of Ray: a :class:`ShardTransport` carries the requests
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -194,6 +196,31 @@ class EngramLookup:
         self._index = index
         self._attempts = attempts
         self._unique: tuple[EngramRawRows, ...] | None = None  # per table, [U, ...]
+        self._lock, self._answering = threading.Lock(), threading.Lock()
+        self._ready: Future | None = None  # rows() made by prepare() on a background thread
+
+    def __getstate__(self) -> dict:
+        # Travels without its thread: the receiver calls prepare() again.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_answering", "_ready")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock, self._answering, self._ready = threading.Lock(), threading.Lock(), None
+
+    def prepare(self) -> "EngramLookup":
+        """Wait for the answers and dequantise them on a background thread, so that
+        :meth:`rows` finds them ready (its errors are raised by :meth:`rows`)."""
+        with self._lock:
+            if self._ready is None:
+                self._ready = Future()
+                threading.Thread(target=self._fill, name="engram-rows", daemon=True).start()
+        return self
+
+    def _fill(self) -> None:
+        try:
+            self._ready.set_result(self._make_rows())
+        except BaseException as error:  # noqa: BLE001 - handed to whoever calls rows()
+            self._ready.set_exception(error)
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
@@ -208,6 +235,11 @@ class EngramLookup:
         """``{layer_id: float32 [..., n_cols, D]}`` in token order (blocks).
 
         Each unique row is dequantised once, then spread to its tokens."""
+        with self._lock:
+            ready = self._ready
+        return ready.result() if ready is not None else self._make_rows()
+
+    def _make_rows(self) -> dict[int, torch.Tensor]:
         out = {}
         for layer, unique, ix in zip(self.layer_ids, self._answers(), self._index):
             values = unique.dequantize().numpy()  # [U, D] float32
@@ -221,10 +253,11 @@ class EngramLookup:
 
     def _answers(self) -> tuple[EngramRawRows, ...]:
         """The unique rows of every table ``[U_t, ...]``, waiting for them once."""
-        if self._unique is None:
-            answers = {shard: self._client._resolve(attempt) for shard, attempt in self._attempts.items()}
-            self._unique = tuple(self._stack(t, answers) for t in range(len(self._index)))
-            self._attempts = {}
+        with self._answering:
+            if self._unique is None:
+                answers = {shard: self._client._resolve(attempt) for shard, attempt in self._attempts.items()}
+                self._unique = tuple(self._stack(t, answers) for t in range(len(self._index)))
+                self._attempts = {}
         return self._unique
 
     def _stack(self, t: int, answers: dict[int, ShardRows]) -> EngramRawRows:

@@ -191,6 +191,8 @@ class PrefillPool:
             finally:
                 self.metrics.engram_wait.observe(time.perf_counter() - start)
 
+        if engram is not None:
+            engram.prepare()  # answers are dequantised on arrival, off the engine thread
         rows = timed_rows if engram is not None else None
         handoff = await loop.run_in_executor(self.executor, self.service.prefill, plan, rows)
         self.metrics.prefill.observe(handoff.prefill_s)

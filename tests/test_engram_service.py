@@ -7,6 +7,7 @@ machine, one of them offering the ``engram_host`` resource.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -180,6 +181,34 @@ def test_start_returns_before_any_answer(fp8_checkpoint):
     lookup = client.start(ids)  # would block forever if start() waited for the shards
     gate.set()
     assert all(torch.equal(a, b) for a, b in zip(lookup.rows().values(), _direct_rows(tables, ids).values()))
+
+
+def test_prepare_makes_the_same_rows_in_the_background_and_survives_pickling(fp8_checkpoint):
+    directory, tables = fp8_checkpoint
+    plan = ShardPlan.even(read_engram_tables(directory, FP8_LAYERS), 2)
+    shards = [EngramShard(plan, s) for s in range(2)]
+    gate = threading.Event()
+    client = EngramClient(plan, LocalTransport([[lambda r, s=s: gate.wait(10) and s.fetch(r)] for s in shards]),
+                          timeout_s=10)
+    ids = _random_ids((3, 41))
+    lookup = client.start(ids)
+    # The router hands it to a prefill replica (copy runs the same __getstate__ /
+    # __setstate__ as pickling; this local transport's thread pool is not picklable).
+    moved = copy.copy(lookup.prepare())
+    assert lookup.prepare() is lookup and not lookup._ready.done()  # still waiting for the shards
+    gate.set()
+    expected = _direct_rows(tables, ids)
+    for got in (lookup.rows(), moved.prepare().rows(), moved.rows()):
+        assert all(torch.equal(a, b) for a, b in zip(got.values(), expected.values()))
+    assert all(torch.equal(a.weight, tables[layer].data[ids[..., t, :]])
+               for t, (layer, a) in enumerate(lookup.raw().items()))
+
+    def broken(request):
+        raise OSError("disk gone")
+
+    failing = EngramClient(plan, LocalTransport([[broken], [shards[1].fetch]]), retries=0).start(ids).prepare()
+    with pytest.raises(EngramServiceError, match="OSError: disk gone"):
+        failing.rows()
 
 
 def test_slow_replica_falls_over_and_silent_shard_raises(fp8_checkpoint):
