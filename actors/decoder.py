@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from model.batcher import Batcher, TokenEvent
+from model.batcher import Batcher, Speculation, TokenEvent
 from model.cache import SequenceCache
 from model.chat import Tokenizer
 from model.engine import DecoderInput, Engine
@@ -28,9 +28,10 @@ class DecoderService:
     """One decoder replica's batch, and its writes to the store."""
 
     def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming, tokenizer: Tokenizer | None = None,
-                 eos_token_ids: tuple[int, ...] = (), max_batch: int = 32):
+                 eos_token_ids: tuple[int, ...] = (), max_batch: int = 32, speculation: Speculation | None = None):
         self.engine, self.store, self.naming = engine, store, naming
-        self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._finished)
+        self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._finished,
+                               speculation=speculation)
         self._requests: dict[str, Handoff] = {}
         self._pending: list[tuple[Handoff, SequenceCache, list[int]]] = []
         self.last_admit_s = 0.0
@@ -50,7 +51,13 @@ class DecoderService:
                 self._requests.pop(request_id, None)
 
     def step(self) -> list[TokenEvent]:
+        """One batch step: one token per request, or several with speculation."""
         return self.batcher.step()
+
+    @property
+    def spec_metrics(self):
+        """The batcher's :class:`model.speculative.SpecMetrics` (None without speculation)."""
+        return self.batcher.metrics if self.batcher.speculation is not None else None
 
     def cancel(self, request_id: str) -> None:
         self.batcher.cancel(request_id)

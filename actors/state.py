@@ -9,7 +9,7 @@ length, for every actor of a deployment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,3 +77,6 @@ class Handoff:
     cached_tokens: int
     stored_chunks: int
     prefill_s: float = 0.0  # time the prefill replica spent on it (the Serve-overhead bench)
+    # Wall-clock marks (time.time()) of the request's trip, set by the replicas it
+    # crosses ("prefill_in", "prefill_out", ...): the router's Server-Timing header.
+    timeline: dict[str, float] = field(default_factory=dict)

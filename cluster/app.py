@@ -18,6 +18,7 @@ its node's store when the request ends.
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -72,6 +73,11 @@ class AppConfig:
     engram_replicas: int = 1
     engram_resource: str = "engram_host"
     engram_cpus: float = 1.0
+    # DSpark speculative decoding in the decoder pool when the checkpoint has a drafter:
+    # "scheduled" (Algorithm 1 on a step-cost table profiled when a replica starts),
+    # "fixed" (speculation_k guesses per request and step) or "off".
+    speculation: str = "scheduled"
+    speculation_k: int = 3
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
@@ -89,6 +95,13 @@ class AppConfig:
             value = getattr(config, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        from model.speculative import MODES
+
+        if config.speculation not in MODES:
+            raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {config.speculation!r}")
+        if not isinstance(config.speculation_k, int) or isinstance(config.speculation_k, bool) \
+                or config.speculation_k < 0:
+            raise ValueError(f"speculation_k must be a non-negative integer, got {config.speculation_k!r}")
         if not (Path(config.model) / "config.json").exists():
             raise ValueError(f"no checkpoint at {config.model!r} (config.json missing)")
         for name in ("prefill_resources", "decoder_resources"):
@@ -134,15 +147,36 @@ class ModelBundle(ModelIdentity):
         import torch
 
         from model.engine import Engine
-        from model.loader import load_hasher, load_model
+        from model.loader import load_checkpoint, load_hasher
 
         super().__init__(config)
         torch.set_num_threads(config.threads)
-        _, model = load_model(config.model)
+        checkpoint = load_checkpoint(config.model)
+        model, self.drafter = checkpoint.backbone, checkpoint.drafter
         self.hasher = load_hasher(config.model, self.model_config)
         if drop_decoder:
             model.keep_encoder_only()
+            self.drafter = None
         self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay)
+
+    def speculation(self, config: AppConfig):
+        """The decoder's :class:`model.batcher.Speculation`, or None (mode "off", or no
+        drafter in the checkpoint). The scheduled mode profiles its step-cost table here,
+        for batches of 1, 2, 4, ... up to ``max_batch`` requests."""
+        if config.speculation == "off" or self.drafter is None:
+            return None
+        from model.batcher import Speculation
+        from model.speculative import Calibration, SpeculativeDrafter, StepCost
+
+        path = Path(config.model) / "dspark_calibration.json"
+        calibration = Calibration.from_dict(json.loads(path.read_text())) if path.exists() else None
+        drafter = SpeculativeDrafter(self.drafter, self.engine, calibration)
+        cost = None
+        if config.speculation == "scheduled":
+            sizes = sorted({min(1 << i, config.max_batch) for i in range(config.max_batch.bit_length() + 1)})
+            cost = StepCost.profile(self.engine, drafter, requests=sizes, max_tokens=drafter.block_size + 1)
+        k = min(config.speculation_k, drafter.block_size)
+        return Speculation(drafter, config.speculation, k=k, cost=cost)
 
     def store(self, config: AppConfig):
         from actors.store import StoreSettings, node_store
@@ -182,6 +216,7 @@ class PrefillPool:
     async def prefill(self, plan, preferred_nodes: list[str] | None = None, engram=None):
         """``engram``: an Engram lookup the router started when the prompt arrived; its
         rows are awaited only right before the first Engram layer."""
+        arrived = time.time()
         loop = asyncio.get_running_loop()
 
         def timed_rows():
@@ -195,6 +230,7 @@ class PrefillPool:
             engram.prepare()  # answers are dequantised on arrival, off the engine thread
         rows = timed_rows if engram is not None else None
         handoff = await loop.run_in_executor(self.executor, self.service.prefill, plan, rows)
+        handoff.timeline.update(prefill_in=arrived, prefill_out=time.time())
         self.metrics.prefill.observe(handoff.prefill_s)
         return handoff
 
@@ -208,7 +244,7 @@ class DecoderPool:
 
         bundle = ModelBundle(config)
         self.service = DecoderService(bundle.engine, bundle.store(config), bundle.naming, bundle.tokenizer,
-                                      bundle.eos_ids, config.max_batch)
+                                      bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config))
         self.executor = _one_thread_executor()
         from cluster.metrics import DecoderMetrics
 
@@ -219,13 +255,16 @@ class DecoderPool:
     async def generate(self, handoff, params, request_id: str):
         """Yields one dict per generated token; the first also carries ``cached_tokens``,
         ``prompt_tokens`` and ``replica_s`` (one stream item fewer per request)."""
+        arrived = time.time()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:
             first = await loop.run_in_executor(self.executor, self.service.admit, request_id, handoff, params)
+            timeline = {**handoff.timeline, "decode_in": arrived, "decode_out": time.time()}
             yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
-                   "replica_s": handoff.prefill_s + self.service.last_admit_s, **dataclasses.asdict(first)}
+                   "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
+                   **dataclasses.asdict(first)}
             if first.finish_reason is not None:
                 return
             if self.stepping is None or self.stepping.done():
@@ -247,14 +286,14 @@ class DecoderPool:
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while self.service.running:
+            batch = self.service.running
             try:
                 events = await loop.run_in_executor(self.executor, self.service.step)
             except Exception as error:  # a failed step fails every request in the batch
                 for queue in self.queues.values():
                     queue.put_nowait(error)
                 return
-            self.metrics.batch.observe(len(events))
-            self.metrics.running.set(self.service.running)
+            self.metrics.step(batch, len(events), self.service.running, self.service.spec_metrics)
             for event in events:
                 queue = self.queues.get(event.request_id)
                 if queue is not None:
@@ -267,6 +306,25 @@ class DecoderPool:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+
+# A request's trip, mark to mark: (Server-Timing name, from, to).
+_STAGES = (
+    ("router", "router_in", "router_sent"),  # parse, render, cache plan, calls sent
+    ("to_prefill", "router_sent", "prefill_in"),
+    ("prefill", "prefill_in", "prefill_out"),  # store reads + encoder (+ executor queue)
+    ("handoff", "prefill_out", "decode_in"),  # result back, decoder call, object transfer
+    ("decode", "decode_in", "decode_out"),  # load, replay, first token
+    ("stream", "decode_out", "first_token"),  # first stream item to the router
+    ("respond", "first_token", "router_out"),
+)
+
+
+def server_timing(marks: dict[str, float], replica_s: float) -> str:
+    """An HTTP ``Server-Timing`` value: each stage of the trip and the replicas' own
+    compute, in milliseconds (stages whose marks are missing are left out)."""
+    parts = [f"{name};dur={1e3 * (marks[b] - marks[a]):.3f}" for name, a, b in _STAGES if a in marks and b in marks]
+    return ", ".join(parts + [f"compute;dur={1e3 * replica_s:.3f}"])
 
 
 fastapi_app = FastAPI(title="v41", docs_url=None, redoc_url=None)
@@ -392,7 +450,7 @@ class Router:
         return await self._serve(request, chat=False)
 
     async def _serve(self, request: Request, chat: bool):
-        endpoint, start = ("chat" if chat else "completions"), time.perf_counter()
+        endpoint, start, arrived = ("chat" if chat else "completions"), time.perf_counter(), time.time()
         try:
             self._authorize(request)
             data = api.parse_json(await request.body())
@@ -404,6 +462,7 @@ class Router:
             tokens = self._render(parsed)
             rid = api.new_id("chatcmpl" if chat else "cmpl")
             stream = await self._events(parsed, tokens, rid)
+            sent = time.time()
         except api.ApiError as error:
             self.metrics.record(endpoint, str(error.status))
             return JSONResponse(error.body(), status_code=error.status)
@@ -423,15 +482,19 @@ class Router:
                                      result["finish"], usage)
         else:
             body = api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage)
-        # Time the replicas spent computing the first token (prefill, replay, sample).
-        return JSONResponse(body, headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}"})
+        # Time the replicas spent computing the first token (prefill, replay, sample), and
+        # where the rest of the request's time went (Server-Timing, milliseconds).
+        marks = {"router_in": arrived, "router_sent": sent, **result["timeline"], "router_out": time.time()}
+        return JSONResponse(body, headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
+                                           "server-timing": server_timing(marks, result["replica_s"])})
 
     async def _collect(self, stream, request: api.GenerationRequest, start: float) -> dict:
         tokens, parts, reasoning_parts, cached, finish, replica_s = [], [], [], 0, "stop", 0.0
-        in_thinking, ttft = request.thinking, None
+        in_thinking, ttft, timeline = request.thinking, None, {}
         async for event in stream:
             if "cached_tokens" in event:
                 cached, replica_s = event["cached_tokens"], event["replica_s"]
+                timeline = {**event["timeline"], "first_token": time.time()}
                 ttft = time.perf_counter() - start
             tokens.append(event["token_id"])
             if in_thinking and event["token_id"] == self.think_end:
@@ -447,7 +510,7 @@ class Router:
         if request.messages:
             self._remember(reasoning, content, tokens)
         return {"tokens": tokens, "content": content, "reasoning": reasoning, "cached": cached, "finish": finish,
-                "replica_s": replica_s, "ttft": ttft}
+                "replica_s": replica_s, "ttft": ttft, "timeline": timeline}
 
     async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool, start: float):
         model, prompt_tokens, cached, tokens, ttft = self.config.model_name, 0, 0, [], None

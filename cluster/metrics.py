@@ -41,12 +41,37 @@ class RouterMetrics:
 
 
 class DecoderMetrics:
-    """The decoder's queue: running requests and batch size per step."""
+    """The decoder's queue (running requests, batch size per step) and, with DSpark
+    speculation, acceptance length, tokens per backbone pass and scheduled verify lengths."""
 
     def __init__(self) -> None:
         self.running = metrics.Gauge("v41_decoder_running_requests", "requests in the continuous batch")
-        self.batch = metrics.Histogram("v41_decoder_batch_size", "sequences per decode step",
+        self.batch = metrics.Histogram("v41_decoder_batch_size", "requests per decode step",
                                        boundaries=[1, 2, 4, 8, 16, 32, 64])
+        self.tokens = metrics.Counter("v41_decoder_step_tokens_total", "tokens emitted by decode steps")
+        self.acceptance = metrics.Gauge("v41_spec_acceptance_length",
+                                        "tokens per request per backbone pass (since the replica started)")
+        self.per_pass = metrics.Gauge("v41_spec_tokens_per_pass", "tokens per backbone pass over the whole batch")
+        self.verify_length = metrics.Counter("v41_spec_verify_length_total",
+                                             "requests scheduled to verify this many guesses", tag_keys=("length",))
+        self._lengths: dict[int, int] = {}
+
+    def step(self, batch: int, events: int, running: int, spec=None) -> None:
+        """After a step of ``batch`` requests that emitted ``events`` tokens; ``spec`` is
+        the batcher's cumulative :class:`model.speculative.SpecMetrics` (or None)."""
+        self.batch.observe(batch)
+        self.running.set(running)
+        if events:
+            self.tokens.inc(events)
+        if spec is None:
+            return
+        self.acceptance.set(spec.acceptance_length)
+        self.per_pass.set(spec.tokens_per_pass)
+        for length, count in spec.verify_lengths.items():
+            new = count - self._lengths.get(length, 0)
+            if new:
+                self.verify_length.inc(new, tags={"length": str(length)})
+        self._lengths = dict(spec.verify_lengths)
 
 
 class PrefillMetrics:

@@ -59,6 +59,21 @@ def test_chat_streaming_equals_plain_and_counts_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_server_timing_accounts_for_the_whole_trip(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "x = 1"}], max_tokens=1, temperature=0)
+    stages = {}
+    for part in raw.headers["server-timing"].split(","):
+        name, _, duration = part.strip().partition(";dur=")
+        stages[name] = float(duration)
+    trip = ["router", "to_prefill", "prefill", "handoff", "decode", "stream", "respond"]
+    assert list(stages) == trip + ["compute"]
+    assert all(stages[name] >= 0 for name in trip)
+    # The replicas' compute happens inside the prefill and decode stages.
+    assert stages["compute"] == pytest.approx(float(raw.headers["x-v41-replica-ms"]), abs=1e-3)
+    assert stages["compute"] <= stages["prefill"] + stages["decode"] + 1e-3
+
+
 def test_completions_stop_string(client):
     full = client.completions.create(model=MODEL, prompt="import os\nimport sys\n", max_tokens=12, temperature=0)
     text = full.choices[0].text

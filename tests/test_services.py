@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -91,3 +93,47 @@ def test_corrupt_chunk_reads_as_a_miss(pools, golden_prompts):
     prefill = PrefillService(engine, store, naming)
     handoff = prefill.prefill(CachePlan(tuple(prompt + [7]), len(keys)))
     assert handoff.stored_chunks == 1 and handoff.cached_tokens == CHUNK
+
+
+def test_speculative_decoder_gives_the_plain_tokens_and_a_reusable_conversation(tmp_path):
+    """The small checkpoint's trained drafter in the decoder service (fixed k = 3):
+    greedy tokens equal plain decoding, several tokens come out of one step, and the
+    conversation it writes back serves the next turn like the plain one does."""
+    from model.batcher import Speculation
+    from model.loader import load_checkpoint, load_hasher
+    from model.speculative import SpeculativeDrafter
+
+    small = Path(__file__).resolve().parent.parent / "configs" / "small"
+    checkpoint = load_checkpoint(small)
+    identity = StateIdentity.of(checkpoint.config.text, weights_digest(small), "small-tokenizer")
+    naming = StateNaming.of(identity, checkpoint.config.text, CHUNK)
+    engine = Engine(checkpoint.backbone, load_hasher(small, checkpoint.config), bounded_replay=False)
+    drafter = SpeculativeDrafter(checkpoint.drafter, engine)
+    prompt = [1] + list(range(300, 380))  # any ids: the greedy tokens must agree either way
+    follow = [17, 95, 23]
+    runs = {}
+    for name, speculation in (("plain", None), ("spec", Speculation(drafter, "fixed", k=3))):
+        store = TieredStore(StoreConfig(node_id=name, ssd_dir=tmp_path / name), Fingerprint(identity.model))
+        prefill = PrefillService(engine, store, naming)
+        decoder = DecoderService(engine, store, naming, max_batch=4, speculation=speculation)
+        answers, steps = [], 0
+        for turn in range(2):
+            tokens = prompt if turn == 0 else prompt + answers[0] + follow
+            handoff = prefill.prefill(CachePlan(tuple(tokens), store.lookup_prefix(naming.chunks(tokens)).chunks))
+            events = [decoder.admit("r", handoff, SamplingParams(temperature=0.0, max_tokens=24))]
+            while decoder.running:
+                events += decoder.step()
+                steps += 1
+            decoder.write_pending()
+            assert store.flush(timeout=10)
+            answers.append([e.token_id for e in events])
+            if turn == 1:
+                assert handoff.cached_tokens == len(prompt) + len(answers[0]) - 1
+        runs[name] = (answers, steps, decoder.spec_metrics)
+        store.close()
+    assert runs["spec"][0] == runs["plain"][0]
+    assert runs["plain"][2] is None
+    metrics = runs["spec"][2]
+    # k = 3 guesses a step, fewer only where max_tokens leaves less room.
+    assert metrics.passes == runs["spec"][1] and max(metrics.verify_lengths) == 3
+    assert runs["spec"][1] < runs["plain"][1]  # some guesses were accepted

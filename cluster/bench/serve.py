@@ -58,6 +58,16 @@ async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dic
     return (first or end) - start, tokens, end - start, usage
 
 
+def _server_timing(header: str) -> dict[str, float]:
+    """``name;dur=ms, ...`` -> {name: ms}."""
+    out = {}
+    for part in header.split(","):
+        name, _, duration = part.strip().partition(";dur=")
+        if name and duration:
+            out[name] = float(duration)
+    return out
+
+
 def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
     """Python-looking text of about ``n_tokens`` tokens, unique per ``nonce``."""
     unit = "".join(f"def handler_{i}(request):\n    return request.get('{nonce}-{i}')\n\n" for i in range(40))
@@ -101,15 +111,17 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
         # Serve overhead: one-token requests, HTTP against in-process, interleaved.
         one = {"model": model_name, "max_tokens": 1, "temperature": 0,
                "messages": [{"role": "user", "content": "x = 1"}]}
-        http, replica = [], []
+        http, replica, stages = [], [], []
         for _ in range(args.repeats):
             start = time.perf_counter()
             async with session.post(chat, json=one) as reply:
                 await reply.read()
                 replica.append(float(reply.headers["x-v41-replica-ms"]) / 1e3)
+                stages.append(_server_timing(reply.headers.get("server-timing", "")))
             http.append(time.perf_counter() - start)
         results["http_one_token_s"] = http
         results["replica_one_token_s"] = replica
+        results["stages_ms"] = stages
     return results
 
 
@@ -183,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
           f"(before Ray started) p50 {1e3 * statistics.median(in_process):.1f} ms")
     print(f"Serve overhead (HTTP - replica compute) p50: {overhead_ms:.1f} ms; HTTP - in-process: "
           f"{vs_in_process_ms:.1f} ms")
+    stages = _stage_medians(results["stages_ms"], results["http_one_token_s"])
+    print("where a one-token request's time goes (p50 ms): "
+          + ", ".join(f"{name} {ms:.1f}" for name, ms in stages.items()))
     if args.json:
         best = max(results["concurrency"].values(), key=lambda row: row["tokens_per_s"])
         print(json.dumps({
@@ -190,7 +205,18 @@ def run(args: argparse.Namespace) -> int:
             "serve_overhead_ms_p50": round(overhead_ms, 2),
             "http_minus_in_process_ms_p50": round(vs_in_process_ms, 2),
             "tokens_per_s": round(best["tokens_per_s"], 2),
+            "one_token_stages_ms_p50": {name: round(ms, 2) for name, ms in stages.items()},
             "concurrency": results["concurrency"],
             "returning": results["returning"], "cold": results["cold"],
         }))
     return 0
+
+
+def _stage_medians(stages: list[dict[str, float]], http_s: list[float]) -> dict[str, float]:
+    """Per stage of the Server-Timing header, the median; ``http+proxy`` is what the
+    client waited beyond the router's own span (HTTP, the Serve proxy, the network)."""
+    names = [name for name in stages[0] if name != "compute"] if stages else []
+    out = {name: statistics.median(s.get(name, 0.0) for s in stages) for name in names}
+    inside = [sum(v for k, v in s.items() if k != "compute") for s in stages]
+    out["http+proxy"] = statistics.median(1e3 * h - i for h, i in zip(http_s, inside))
+    return out

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path(".v41/cache"), help="SSD tier directory")
     parser.add_argument("--exact-replay", action="store_true", help="replay whole prompts through the decoder")
     parser.add_argument("--api-key", default=None, help="require this bearer token")
+    parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default="scheduled",
+                        help="DSpark speculative decoding when the checkpoint has a drafter (default scheduled)")
     parser.add_argument("--object-store-mb", type=int, default=512)
 
 
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             "ssd_dir": str(args.cache_dir.resolve() / "{node}"),
             "exact_replay": args.exact_replay,
             "api_key": args.api_key,
+            "speculation": args.speculation,
         })
         serve.run(app, name="v41", route_prefix="/")
         # Installed after Ray and Serve started, which set handlers of their own.
