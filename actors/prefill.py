@@ -47,10 +47,7 @@ class PrefillService:
         if not tokens:
             raise ValueError("empty prompt")
         start = time.perf_counter()
-        cache, chunks_read = self._load_chunks(tokens, plan.cached_chunks)
-        chunked = cache.length
-        # Leave at least one token to encode: the decoder needs its input streams.
-        resumed = self._load_window(cache, tokens[:-1], chunked)
+        cache, chunks_read, resumed = self._load_stored(tokens, plan)
         replay: DecoderInput | None = None
         if not resumed and cache.length:
             replay = self.engine.restore(cache, tokens[: cache.length])
@@ -72,14 +69,18 @@ class PrefillService:
             prefill_s=time.perf_counter() - start,
         )
 
-    def _load_chunks(self, tokens: list[int], planned: int):
-        """The longest run of stored chunks that verifies (a bad chunk ends the run)."""
+    def _load_stored(self, tokens: list[int], plan: CachePlan):
+        """The longest run of stored chunks that verifies (a bad chunk ends the run),
+        then the window state after them if the store has it. One store call when the
+        chunks are good; none when the plan says nothing is stored."""
         cache = self.engine.new_cache()
         # Keep one token out of the chunks: the prompt's last token must be encoded.
-        usable = min(planned, (len(tokens) - 1) // self.naming.chunk_tokens)
+        usable = min(plan.cached_chunks, (len(tokens) - 1) // self.naming.chunk_tokens)
         keys = self.naming.chunks(tokens)[:usable]
+        windows = self._windows(tokens, usable, plan)
+        blobs = self.store.get_many(keys + [key for _, key in windows]) if keys or windows else []
         loaded = 0
-        for blob in self.store.get_many(keys) if keys else []:
+        for blob in blobs[: len(keys)]:
             if blob is None:
                 break
             try:
@@ -90,12 +91,21 @@ class PrefillService:
         if loaded and self.engine.hasher is not None:
             # The n-gram context of the loaded prefix (the window state would carry it).
             _, cache.ngram = self.engine.hasher.hash_ids(torch.tensor([tokens[: cache.length]]))
-        return cache, loaded
+        if loaded < usable:  # a chunk was missing or bad: the windows after it instead
+            windows = self._windows(tokens, loaded, None)
+            blobs = [None] * len(keys) + (self.store.get_many([key for _, key in windows]) if windows else [])
+        return cache, loaded, self._load_window(cache, windows, blobs[len(keys):])
 
-    def _load_window(self, cache, tokens: list[int], chunked: int) -> bool:
+    def _windows(self, tokens: list[int], chunks: int, plan: CachePlan | None) -> list[tuple[int, ObjectKey]]:
+        """Window states to try after ``chunks`` chunks: the plan's, when the router asked
+        the index for exactly these, else every candidate (leaving the last token)."""
+        if plan is not None and plan.windows is not None and chunks == min(
+                plan.cached_chunks, (len(tokens) - 1) // self.naming.chunk_tokens):
+            return list(plan.windows)
+        return self.naming.window_candidates(tokens[:-1], chunks * self.naming.chunk_tokens)
+
+    def _load_window(self, cache, candidates: list[tuple[int, ObjectKey]], blobs: list[bytes | None]) -> bool:
         """Resume from the previous turn's window state when this node still has it."""
-        candidates = self.naming.window_candidates(tokens, chunked)
-        blobs = self.store.get_many([key for _, key in candidates])
         for (length, _), blob in zip(candidates, blobs):
             if blob is None:
                 continue

@@ -51,11 +51,15 @@ class CachePlan:
 
     ``cached_chunks`` leading chunks of ``token_ids`` are stored somewhere in the
     cluster; ``nodes`` are the nodes holding them, best first (RAM beats SSD).
+    ``windows``: the window states after those chunks that the index knows of,
+    ``(length, key)`` longest first; ``None`` when nobody asked the index (the
+    prefill then probes every candidate in its store).
     """
 
     token_ids: tuple[int, ...]
     cached_chunks: int
     nodes: tuple[str, ...] = ()
+    windows: tuple[tuple[int, ObjectKey], ...] | None = None
 
 
 @dataclass

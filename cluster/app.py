@@ -310,7 +310,9 @@ class DecoderPool:
 
 # A request's trip, mark to mark: (Server-Timing name, from, to).
 _STAGES = (
-    ("router", "router_in", "router_sent"),  # parse, render, cache plan, calls sent
+    ("parse", "router_in", "rendered"),  # body, validation, chat template, tokens
+    ("plan", "rendered", "planned"),  # the index lookup of the cache plan
+    ("dispatch", "planned", "router_sent"),  # Engram lookup started, calls to the pools sent
     ("to_prefill", "router_sent", "prefill_in"),
     ("prefill", "prefill_in", "prefill_out"),  # store reads + encoder (+ executor queue)
     ("handoff", "prefill_out", "decode_in"),  # result back, decoder call, object transfer
@@ -376,24 +378,38 @@ class Router:
             raise api.ApiError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
 
     def _plan(self, tokens: list[int]):
+        """Which leading chunks of the prompt are stored, where, and which window state
+        after them the index knows of (one Redis round trip, two after a gap)."""
         from actors.state import CachePlan
         from storage.policy import TierName
 
         keys = self.naming.chunks(tokens)
-        if not keys:
-            return CachePlan(tuple(tokens), 0)
         if self.index is None:
             return CachePlan(tuple(tokens), len(keys))  # one node: its store knows
-        located = self.index.locate(keys, time.time()) or []
-        depth = 0
-        while depth < len(located) and located[depth]:
-            depth += 1
-        if depth == 0:
+        size = self.naming.chunk_tokens
+        usable = min(len(keys), (len(tokens) - 1) // size)  # the prefill encodes the last token
+        windows = self.naming.window_candidates(tokens[:-1], usable * size)
+        now = time.time()
+        located = self.index.locate(keys + [key for _, key in windows], now)
+        if located is None:  # Redis away: nothing known, the prefill's store decides
             return CachePlan(tuple(tokens), 0)
-        last = located[depth - 1]
-        order = sorted(last, key=lambda loc: (loc.tier is not TierName.RAM, loc.tier is not TierName.SSD))
+        found_windows = located[len(keys):]
+        depth = 0
+        while depth < len(keys) and located[depth]:
+            depth += 1
+        if depth < usable:  # a gap: the windows after the stored run instead
+            windows = self.naming.window_candidates(tokens[:-1], depth * size)
+            found_windows = self.index.locate([key for _, key in windows], now)
+            if found_windows is None:
+                return CachePlan(tuple(tokens), depth)
+        known = tuple((window, locations) for window, locations in zip(windows, found_windows) if locations)
+        best = [known[0][1]] if known else []
+        if depth:
+            best.append(located[depth - 1])
+        order = sorted((loc for locations in best for loc in locations),
+                       key=lambda loc: (loc.tier is not TierName.RAM, loc.tier is not TierName.SSD))
         nodes = tuple(dict.fromkeys(loc.node_id for loc in order if loc.node_id != "*"))
-        return CachePlan(tuple(tokens), depth, nodes)
+        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known))
 
     def _render(self, request: api.GenerationRequest) -> list[int]:
         if request.prompt is not None:
@@ -414,11 +430,13 @@ class Router:
         while len(self.answers) > 4096:
             self.answers.popitem(last=False)
 
-    async def _events(self, request: api.GenerationRequest, tokens: list[int], rid: str):
+    async def _events(self, request: api.GenerationRequest, tokens: list[int], rid: str, marks: dict[str, float]):
         if len(tokens) + request.params.max_tokens > self.config.max_model_len:
             raise api.ApiError(400, f"this request needs {len(tokens) + request.params.max_tokens} tokens; the "
                                f"context is {self.config.max_model_len}", "messages", code="context_length_exceeded")
+        marks["rendered"] = time.time()
         plan = self._plan(tokens)
+        marks["planned"] = time.time()
         lookup = None
         if self.engram is not None:  # start fetching the rows now: they arrive while layer 0 runs
             import torch
@@ -461,8 +479,9 @@ class Router:
                                               self.model_config.text.vocab_size)
             tokens = self._render(parsed)
             rid = api.new_id("chatcmpl" if chat else "cmpl")
-            stream = await self._events(parsed, tokens, rid)
-            sent = time.time()
+            marks = {"router_in": arrived}
+            stream = await self._events(parsed, tokens, rid, marks)
+            marks["router_sent"] = time.time()
         except api.ApiError as error:
             self.metrics.record(endpoint, str(error.status))
             return JSONResponse(error.body(), status_code=error.status)
@@ -484,7 +503,7 @@ class Router:
             body = api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage)
         # Time the replicas spent computing the first token (prefill, replay, sample), and
         # where the rest of the request's time went (Server-Timing, milliseconds).
-        marks = {"router_in": arrived, "router_sent": sent, **result["timeline"], "router_out": time.time()}
+        marks.update(result["timeline"], router_out=time.time())
         return JSONResponse(body, headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
                                            "server-timing": server_timing(marks, result["replica_s"])})
 
@@ -505,6 +524,7 @@ class Router:
                 parts.append(event["text"])
             if event["finish_reason"]:
                 finish = event["finish_reason"]
+                break  # the request's last token: do not wait for the stream to close
         content = "".join(parts)
         reasoning = "".join(reasoning_parts) if request.thinking else None
         if request.messages:
@@ -543,6 +563,8 @@ class Router:
                         yield api.sse(api.chat_chunk(rid, model, {}, finish))
                 else:
                     yield api.sse(api.completion_chunk(rid, model, text, finish))
+                if finish:
+                    break  # the request's last token: do not wait for the stream to close
             if request.include_usage:
                 usage = api.usage(prompt_tokens, len(tokens), cached)
                 chunk = api.chat_chunk(rid, model, None, None, usage) if chat else \

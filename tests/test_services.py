@@ -137,3 +137,43 @@ def test_speculative_decoder_gives_the_plain_tokens_and_a_reusable_conversation(
     # k = 3 guesses a step, fewer only where max_tokens leaves less room.
     assert metrics.passes == runs["spec"][1] and max(metrics.verify_lengths) == 3
     assert runs["spec"][1] < runs["plain"][1]  # some guesses were accepted
+
+
+class _CountingStore:
+    """The tiered store, counting the calls that reach it."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def get_many(self, keys):
+        self.calls.append(len(keys))
+        return self.store.get_many(keys)
+
+    def put(self, key, payload):
+        self.store.put(key, payload)
+
+
+def test_the_plans_window_list_spares_store_calls(pools, golden_prompts):
+    engine, store, naming = pools
+    first = golden_prompts[2][:170]
+    _, answer = _run(engine, store, naming, first)
+    assert store.flush(timeout=10)
+    second = first + answer + [3, 40, 21]
+    counting = _CountingStore(store)
+    prefill = PrefillService(engine, counting, naming)
+    chunks = store.lookup_prefix(naming.chunks(second)).chunks
+    usable = min(chunks, (len(second) - 1) // CHUNK)
+    stored = [(n, key) for n, key in naming.window_candidates(second[:-1], usable * CHUNK) if store.get(key)]
+    assert [n for n, _ in stored] == [len(first) + len(answer) - 1]
+    # The router's index knew the window: chunks and window in one call of 1 + usable keys.
+    warm = prefill.prefill(CachePlan(tuple(second), chunks, (), tuple(stored)))
+    assert counting.calls == [usable + 1] and warm.cached_tokens == stored[0][0]
+    # No index answer: every candidate is probed (same result).
+    counting.calls.clear()
+    probed = prefill.prefill(CachePlan(tuple(second), chunks))
+    assert counting.calls[0] > usable + 1 and probed.cached_tokens == warm.cached_tokens
+    assert probed.state == warm.state
+    # The index knows of nothing for a new prompt: no store call at all.
+    counting.calls.clear()
+    cold = prefill.prefill(CachePlan(tuple(golden_prompts[1][:40]), 0, (), ()))
+    assert counting.calls == [] and cold.cached_tokens == 0
