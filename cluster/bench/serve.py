@@ -12,7 +12,9 @@ tiers), then measures through HTTP:
   the replicas spent computing it (prefill, handoff, replay, sample; reported by the
   router in the ``x-v41-replica-ms`` header), p50. Also printed: HTTP minus the same
   request run in-process before Ray started, which adds the slowdown of sharing two
-  cores with the Ray processes.
+  cores with the Ray processes. Where the time goes: the median of each stage of the
+  responses' ``Server-Timing`` header, and ``http+proxy`` (the client's wait beyond
+  the router's own span: HTTP and the Serve proxy).
 """
 
 from __future__ import annotations
