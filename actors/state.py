@@ -84,3 +84,4 @@ class Handoff:
     # Wall-clock marks (time.time()) of the request's trip, set by the replicas it
     # crosses ("prefill_in", "prefill_out", ...): the router's Server-Timing header.
     timeline: dict[str, float] = field(default_factory=dict)
+    prefilled_by: str = ""  # "pool" (a prefill replica) or "decoder" (encoded where it decodes)

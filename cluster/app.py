@@ -78,6 +78,9 @@ class AppConfig:
     # "fixed" (speculation_k guesses per request and step) or "off".
     speculation: str = "scheduled"
     speculation_k: int = 3
+    # A prompt with nothing stored and at most this many tokens is encoded by the
+    # decoder replica itself instead of the prefill pool (0: always the pool).
+    local_prefill_tokens: int = 128
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
@@ -99,9 +102,10 @@ class AppConfig:
 
         if config.speculation not in MODES:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {config.speculation!r}")
-        if not isinstance(config.speculation_k, int) or isinstance(config.speculation_k, bool) \
-                or config.speculation_k < 0:
-            raise ValueError(f"speculation_k must be a non-negative integer, got {config.speculation_k!r}")
+        for name in ("speculation_k", "local_prefill_tokens"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if not (Path(config.model) / "config.json").exists():
             raise ValueError(f"no checkpoint at {config.model!r} (config.json missing)")
         for name in ("prefill_resources", "decoder_resources"):
@@ -192,6 +196,29 @@ def _one_thread_executor() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
+async def _prefill(service, executor, metrics, plan, engram, where: str):
+    """Run ``service.prefill(plan)`` on the replica's engine thread; ``engram``: an
+    Engram lookup the router started when the prompt arrived, whose rows are awaited
+    only right before the first Engram layer."""
+    arrived = time.time()
+
+    def timed_rows():
+        start = time.perf_counter()
+        try:
+            return engram.rows()
+        finally:
+            metrics.engram_wait.observe(time.perf_counter() - start)
+
+    if engram is not None:
+        engram.prepare()  # answers are dequantised on arrival, off the engine thread
+    rows = timed_rows if engram is not None else None
+    handoff = await asyncio.get_running_loop().run_in_executor(executor, service.prefill, plan, rows)
+    handoff.timeline.update(prefill_in=arrived, prefill_out=time.time())
+    handoff.prefilled_by = where
+    metrics.prefill.observe(handoff.prefill_s)
+    return handoff
+
+
 @serve.deployment(request_router_config=RequestRouterConfig(
     request_router_class="cluster.routing:PrefixAffinityRouter"))
 class PrefillPool:
@@ -214,25 +241,8 @@ class PrefillPool:
         return ray.get_runtime_context().get_node_id()
 
     async def prefill(self, plan, preferred_nodes: list[str] | None = None, engram=None):
-        """``engram``: an Engram lookup the router started when the prompt arrived; its
-        rows are awaited only right before the first Engram layer."""
-        arrived = time.time()
-        loop = asyncio.get_running_loop()
-
-        def timed_rows():
-            start = time.perf_counter()
-            try:
-                return engram.rows()
-            finally:
-                self.metrics.engram_wait.observe(time.perf_counter() - start)
-
-        if engram is not None:
-            engram.prepare()  # answers are dequantised on arrival, off the engine thread
-        rows = timed_rows if engram is not None else None
-        handoff = await loop.run_in_executor(self.executor, self.service.prefill, plan, rows)
-        handoff.timeline.update(prefill_in=arrived, prefill_out=time.time())
-        self.metrics.prefill.observe(handoff.prefill_s)
-        return handoff
+        """``preferred_nodes`` is read by the request router (cache affinity)."""
+        return await _prefill(self.service, self.executor, self.metrics, plan, engram, "pool")
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -242,13 +252,19 @@ class DecoderPool:
     def __init__(self, config: AppConfig):
         from actors.decoder import DecoderService
 
-        bundle = ModelBundle(config)
-        self.service = DecoderService(bundle.engine, bundle.store(config), bundle.naming, bundle.tokenizer,
-                                      bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config))
-        self.executor = _one_thread_executor()
-        from cluster.metrics import DecoderMetrics
+        from actors.prefill import PrefillService
 
-        self.metrics = DecoderMetrics()
+        from cluster.metrics import DecoderMetrics, PrefillMetrics
+
+        bundle = ModelBundle(config)
+        store = bundle.store(config)
+        self.service = DecoderService(bundle.engine, store, bundle.naming, bundle.tokenizer,
+                                      bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config))
+        # Short new prompts are encoded here (see Router._events): the same logic as a
+        # prefill replica, on this replica's engine and store.
+        self.prefiller = PrefillService(bundle.engine, store, bundle.naming)
+        self.executor = _one_thread_executor()
+        self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stepping: asyncio.Task | None = None
 
@@ -264,6 +280,7 @@ class DecoderPool:
             timeline = {**handoff.timeline, "decode_in": arrived, "decode_out": time.time()}
             yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
                    "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
+                   "prefilled_by": handoff.prefilled_by,
                    **dataclasses.asdict(first)}
             if first.finish_reason is not None:
                 return
@@ -282,6 +299,12 @@ class DecoderPool:
                 await loop.run_in_executor(self.executor, self.service.cancel, request_id)
             # Store finished conversations now that their tokens are out (same engine thread).
             loop.run_in_executor(self.executor, self.service.write_pending)
+
+    async def prefill_and_generate(self, plan, params, request_id: str, engram=None):
+        """:meth:`generate` for a prompt this replica encodes itself (no handoff)."""
+        handoff = await _prefill(self.prefiller, self.executor, self.prefill_metrics, plan, engram, "decoder")
+        async for event in self.generate(handoff, params, request_id):
+            yield event
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -322,10 +345,15 @@ _STAGES = (
 )
 
 
-def server_timing(marks: dict[str, float], replica_s: float) -> str:
+def server_timing(marks: dict[str, float], replica_s: float, prefilled_by: str) -> str:
     """An HTTP ``Server-Timing`` value: each stage of the trip and the replicas' own
-    compute, in milliseconds (stages whose marks are missing are left out)."""
-    parts = [f"{name};dur={1e3 * (marks[b] - marks[a]):.3f}" for name, a, b in _STAGES if a in marks and b in marks]
+    compute, in milliseconds (stages whose marks are missing are left out); the
+    prefill stage says where it ran (``desc="pool"`` or ``desc="decoder"``)."""
+    parts = []
+    for name, a, b in _STAGES:
+        if a in marks and b in marks:
+            desc = f';desc="{prefilled_by}"' if name == "prefill" and prefilled_by else ""
+            parts.append(f"{name};dur={1e3 * (marks[b] - marks[a]):.3f}{desc}")
     return ", ".join(parts + [f"compute;dur={1e3 * replica_s:.3f}"])
 
 
@@ -442,6 +470,11 @@ class Router:
             import torch
 
             lookup = self.engram.start(self.hasher.hash_ids(torch.tensor([tokens]))[0][0])
+        if plan.cached_chunks == 0 and plan.windows == () and len(tokens) <= self.config.local_prefill_tokens:
+            # Nothing stored and a short prompt: the decoder encodes it itself, sparing
+            # two hops and a handoff (its batch waits about one step for it).
+            return self.decoder.options(stream=True).prefill_and_generate.remote(plan, request.params, rid,
+                                                                                 engram=lookup)
         handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes), engram=lookup)
         return self.decoder.options(stream=True).generate.remote(handoff, request.params, rid)
 
@@ -505,14 +538,15 @@ class Router:
         # where the rest of the request's time went (Server-Timing, milliseconds).
         marks.update(result["timeline"], router_out=time.time())
         return JSONResponse(body, headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
-                                           "server-timing": server_timing(marks, result["replica_s"])})
+                                           "server-timing": server_timing(marks, result["replica_s"],
+                                                                          result["prefilled_by"])})
 
     async def _collect(self, stream, request: api.GenerationRequest, start: float) -> dict:
         tokens, parts, reasoning_parts, cached, finish, replica_s = [], [], [], 0, "stop", 0.0
-        in_thinking, ttft, timeline = request.thinking, None, {}
+        in_thinking, ttft, timeline, prefilled_by = request.thinking, None, {}, ""
         async for event in stream:
             if "cached_tokens" in event:
-                cached, replica_s = event["cached_tokens"], event["replica_s"]
+                cached, replica_s, prefilled_by = event["cached_tokens"], event["replica_s"], event["prefilled_by"]
                 timeline = {**event["timeline"], "first_token": time.time()}
                 ttft = time.perf_counter() - start
             tokens.append(event["token_id"])
@@ -530,7 +564,7 @@ class Router:
         if request.messages:
             self._remember(reasoning, content, tokens)
         return {"tokens": tokens, "content": content, "reasoning": reasoning, "cached": cached, "finish": finish,
-                "replica_s": replica_s, "ttft": ttft, "timeline": timeline}
+                "replica_s": replica_s, "ttft": ttft, "timeline": timeline, "prefilled_by": prefilled_by}
 
     async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool, start: float):
         model, prompt_tokens, cached, tokens, ttft = self.config.model_name, 0, 0, [], None

@@ -32,7 +32,7 @@ def test_pools_and_engram_shard_on_different_raylets(cluster, tmp_path):
     cluster, head, worker = cluster
     with running_app(tmp_path, address=cluster.address, decoder_resources={"decoder_host": 1},
                      prefill_resources={"prefill_host": 1},
-                     engram_shards=1, engram_cpus=0.5) as (url, redis):
+                     engram_shards=1, engram_cpus=0.5, local_prefill_tokens=0) as (url, redis):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "for line in open(path):\n    print(line)\n" * 5}]
         first = client.chat.completions.create(model="deepseek-v4.1-small", messages=messages, max_tokens=6,

@@ -34,6 +34,8 @@ def test_app_arguments_are_validated():
         AppConfig.from_args({"speculation": "always"})
     with pytest.raises(ValueError, match="speculation_k"):
         AppConfig.from_args({"speculation_k": -1})
+    with pytest.raises(ValueError, match="local_prefill_tokens"):
+        AppConfig.from_args({"local_prefill_tokens": 1.5})
     with pytest.raises(ValueError, match="no checkpoint"):
         AppConfig.from_args({"model": "/nonexistent"})
     assert resolve_model("tests/golden/A") == ROOT / "tests" / "golden" / "A"

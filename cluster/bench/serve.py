@@ -61,12 +61,14 @@ async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dic
 
 
 def _server_timing(header: str) -> dict[str, float]:
-    """``name;dur=ms, ...`` -> {name: ms}."""
+    """``name;dur=ms[;desc="..."], ...`` -> {name: ms}."""
     out = {}
     for part in header.split(","):
-        name, _, duration = part.strip().partition(";dur=")
-        if name and duration:
-            out[name] = float(duration)
+        name, *params = part.strip().split(";")
+        for param in params:
+            key, _, value = param.partition("=")
+            if key == "dur":
+                out[name] = float(value)
     return out
 
 
