@@ -10,7 +10,9 @@ tiers), then measures through HTTP:
   first token, against a cold run of a prompt of the same shape that nothing cached;
 - **Serve overhead**: the latency of a one-token request through HTTP minus the time
   the replicas spent computing it (prefill, handoff, replay, sample; reported by the
-  router in the ``x-v41-replica-ms`` header), p50. Also printed: HTTP minus the same
+  router in the ``x-v41-replica-ms`` header), p50, for a short new prompt (encoded by
+  the decoder replica) and for a ~200-token new prompt (the prefill pool's path, with
+  its handoff). Also printed: HTTP minus the same
   request run in-process before Ray started, which adds the slowdown of sharing two
   cores with the Ray processes. Where the time goes: the median of each stage of the
   responses' ``Server-Timing`` header, and ``http+proxy`` (the client's wait beyond
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -112,20 +115,22 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
         results["returning"] = {"ttft_s": returning[0], "cached_tokens": returning[3].get("prompt_tokens_details", {})
                                 .get("cached_tokens", 0), "prompt_tokens": returning[3].get("prompt_tokens", 0)}
         results["cold"] = {"ttft_s": cold[0], "prompt_tokens": cold[3].get("prompt_tokens", 0)}
-        # Serve overhead: one-token requests, HTTP against in-process, interleaved.
-        one = {"model": model_name, "max_tokens": 1, "temperature": 0,
-               "messages": [{"role": "user", "content": "x = 1"}]}
-        http, replica, stages = [], [], []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            async with session.post(chat, json=one) as reply:
-                await reply.read()
-                replica.append(float(reply.headers["x-v41-replica-ms"]) / 1e3)
-                stages.append(_server_timing(reply.headers.get("server-timing", "")))
-            http.append(time.perf_counter() - start)
-        results["http_one_token_s"] = http
-        results["replica_one_token_s"] = replica
-        results["stages_ms"] = stages
+        # Serve overhead: one-token requests. A short new prompt (the decoder encodes it)
+        # and a new prompt of ~200 tokens (above local_prefill_tokens: the prefill pool
+        # encodes it and hands off), each new so that nothing is cached.
+        for path in ("short", "pool"):
+            http, replica, stages = [], [], []
+            for i in range(args.repeats):
+                content = "x = 1" if path == "short" else f"# {i}\n" + "def f():\n    return 1\n" * 30
+                one = {"model": model_name, "max_tokens": 1, "temperature": 0,
+                       "messages": [{"role": "user", "content": content}]}
+                start = time.perf_counter()
+                async with session.post(chat, json=one) as reply:
+                    await reply.read()
+                    replica.append(float(reply.headers["x-v41-replica-ms"]) / 1e3)
+                    stages.append(_server_timing(reply.headers.get("server-timing", "")))
+                http.append(time.perf_counter() - start)
+            results[path] = {"http_s": http, "replica_s": replica, "stages_ms": stages}
     return results
 
 
@@ -164,26 +169,27 @@ def run(args: argparse.Namespace) -> int:
     redis = RedisServer()
     redis.start()
     port = free_port()
+    cache_dir = tempfile.mkdtemp(prefix="v41-bench-serve-")  # removed once the store actors are gone
     try:
         ray.init(namespace="v41", object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        with tempfile.TemporaryDirectory() as cache_dir:
-            app = build_app({"model": str(model), "redis_url": redis.url, "ssd_dir": cache_dir + "/{node}",
-                             "max_model_len": args.history * 2 + 1024})
-            serve.run(app, name="v41", route_prefix="/")
-            from cluster.app import AppConfig
+        app = build_app({"model": str(model), "redis_url": redis.url, "ssd_dir": cache_dir + "/{node}",
+                         "max_model_len": args.history * 2 + 1024})
+        serve.run(app, name="v41", route_prefix="/")
+        from cluster.app import AppConfig
 
-            name = AppConfig.from_args({"model": str(model)}).model_name
-            results = asyncio.run(_measure(f"http://127.0.0.1:{port}", args, name, tokenizer))
+        name = AppConfig.from_args({"model": str(model)}).model_name
+        results = asyncio.run(_measure(f"http://127.0.0.1:{port}", args, name, tokenizer))
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
             redis.stop()
-    http_p50 = statistics.median(results["http_one_token_s"])
-    overhead_ms = 1e3 * statistics.median(h - r for h, r in zip(results["http_one_token_s"],
-                                                                 results["replica_one_token_s"]))
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    short, pool = results["short"], results["pool"]
+    http_p50 = statistics.median(short["http_s"])
+    overhead_ms = _overhead_ms(short)
     vs_in_process_ms = 1e3 * (http_p50 - statistics.median(in_process))
     ratio = results["returning"]["ttft_s"] / results["cold"]["ttft_s"]
     print(f"v41 bench serve: {model}")
@@ -194,14 +200,16 @@ def run(args: argparse.Namespace) -> int:
           f"({results['returning']['cached_tokens']} of {results['returning']['prompt_tokens']} prompt tokens cached)")
     print(f"cold run:       TTFT {results['cold']['ttft_s']:.3f} s ({results['cold']['prompt_tokens']} prompt tokens)")
     print(f"returning / cold TTFT: {ratio:.4f}")
-    print(f"\none-token request: HTTP p50 {1e3 * http_p50:.1f} ms; compute inside the replicas p50 "
-          f"{1e3 * statistics.median(results['replica_one_token_s']):.1f} ms; the same request in-process "
-          f"(before Ray started) p50 {1e3 * statistics.median(in_process):.1f} ms")
+    print(f"\none-token request, short new prompt: HTTP p50 {1e3 * http_p50:.1f} ms; compute inside the replicas "
+          f"p50 {1e3 * statistics.median(short['replica_s']):.1f} ms; the same request in-process (before Ray "
+          f"started) p50 {1e3 * statistics.median(in_process):.1f} ms")
     print(f"Serve overhead (HTTP - replica compute) p50: {overhead_ms:.1f} ms; HTTP - in-process: "
           f"{vs_in_process_ms:.1f} ms")
-    stages = _stage_medians(results["stages_ms"], results["http_one_token_s"])
-    print("where a one-token request's time goes (p50 ms): "
-          + ", ".join(f"{name} {ms:.1f}" for name, ms in stages.items()))
+    stages = {path: _stage_medians(results[path]["stages_ms"], results[path]["http_s"]) for path in ("short", "pool")}
+    print("  where its time goes (p50 ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages["short"].items()))
+    print(f"one-token request, ~200-token new prompt through the prefill pool: Serve overhead p50 "
+          f"{_overhead_ms(pool):.1f} ms")
+    print("  where its time goes (p50 ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages["pool"].items()))
     if args.json:
         best = max(results["concurrency"].values(), key=lambda row: row["tokens_per_s"])
         print(json.dumps({
@@ -209,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
             "serve_overhead_ms_p50": round(overhead_ms, 2),
             "http_minus_in_process_ms_p50": round(vs_in_process_ms, 2),
             "tokens_per_s": round(best["tokens_per_s"], 2),
-            "one_token_stages_ms_p50": {name: round(ms, 2) for name, ms in stages.items()},
+            "serve_overhead_pool_path_ms_p50": round(_overhead_ms(pool), 2),
+            "one_token_stages_ms_p50": {path: {k: round(v, 2) for k, v in row.items()} for path, row in stages.items()},
             "concurrency": results["concurrency"],
             "returning": results["returning"], "cold": results["cold"],
         }))
@@ -224,3 +233,8 @@ def _stage_medians(stages: list[dict[str, float]], http_s: list[float]) -> dict[
     inside = [sum(v for k, v in s.items() if k != "compute") for s in stages]
     out["http+proxy"] = statistics.median(1e3 * h - i for h, i in zip(http_s, inside))
     return out
+
+
+def _overhead_ms(run: dict) -> float:
+    """p50 of HTTP latency minus the replicas' compute, in ms."""
+    return 1e3 * statistics.median(h - r for h, r in zip(run["http_s"], run["replica_s"]))
