@@ -166,7 +166,8 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -
         for name, module in (("backbone", meta.backbone), ("drafter", meta.drafter), ("vision", meta.vision))
         if module is not None
     }
-    parts["backbone"].rotary.apply(_rebuild_rotary)
+    for module in parts.values():  # rotary tables are buffers no checkpoint stores
+        module.apply(_rebuild_rotary)
     load_state(directory, list(parts.values()))
     return Checkpoint(config, **{name: module.to(device).eval() for name, module in parts.items()})
 

@@ -87,3 +87,18 @@ def test_missing_and_unexpected_tensors_are_errors(tmp_path, golden_dir):
     save_file(bad, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="shape"):
         load_model(tmp_path)
+
+
+def test_every_rotary_table_is_rebuilt_on_load():
+    """Rotary tables are buffers that no checkpoint stores: after loading, the backbone's
+    and the drafter's equal the frequencies their config gives (not uninitialised memory)."""
+    from pathlib import Path
+
+    from model.rope import Rotary, inv_frequencies
+
+    checkpoint = load_checkpoint(Path(__file__).resolve().parent.parent / "configs" / "small")
+    tables = [(name, module) for part in (checkpoint.backbone, checkpoint.drafter)
+              for name, module in part.named_modules() if isinstance(module, Rotary)]
+    assert len(tables) == 3  # main and compress for the backbone, main for the drafter
+    for name, rotary in tables:
+        assert torch.equal(rotary.inv_freq, inv_frequencies(rotary.spec, rotary.rope_dim)), name
