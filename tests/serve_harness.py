@@ -10,6 +10,7 @@ import ray
 from ray import serve
 
 from cluster.app import build_app
+from cluster.commands.serve import use_serve_environment
 from storage.redis_server import RedisServer, free_port
 
 GOLDEN = Path(__file__).parent / "golden" / "A"
@@ -18,6 +19,7 @@ GOLDEN = Path(__file__).parent / "golden" / "A"
 @contextlib.contextmanager
 def running_app(tmp_path: Path, address: str | None = None, **args):
     """Yields the base URL of the app (``http://127.0.0.1:PORT``) and the Redis URL."""
+    use_serve_environment()  # the settings `v41 serve` runs with
     redis = RedisServer()
     redis.start()
     port = free_port()

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.slow
 def cluster():
     from ray.cluster_utils import Cluster
 
+    from cluster.commands.serve import use_serve_environment
+
+    use_serve_environment()  # before the raylets start: every Ray process runs with it
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"prefill_host": 1}, "object_store_memory": 128 << 20,
         "include_dashboard": False})

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cluster.app import build_app
     from cluster.cli import UserError
-    from cluster.commands.serve import default_model
+    from cluster.commands.serve import default_model, use_serve_environment
     from model.chat import Tokenizer
     from storage.redis_server import RedisServer, free_port
 
@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"no checkpoint at {model}")
     tokenizer = Tokenizer.from_dir(model)
     in_process = _in_process_one_token(model, args.repeats)
+    use_serve_environment()  # as `v41 serve` runs the app
     redis = RedisServer()
     redis.start()
     port = free_port()

@@ -9,10 +9,21 @@ then stops everything it started.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from pathlib import Path
 
+# Ray Serve's latency settings (Ray >= 2.55): user code and the request router on each
+# replica's own event loop, gRPC between replicas. Every Ray process must see them, so
+# they are set before Ray starts; a value the user exported wins. (`serve run` and
+# `serve deploy` users export them themselves: see configs/serve-local.yaml.)
+SERVE_ENVIRONMENT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
+def use_serve_environment() -> None:
+    for name, value in SERVE_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
     stop = threading.Event()
+    use_serve_environment()
     redis = RedisServer()
     redis.start()
     try:
