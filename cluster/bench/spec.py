@@ -27,7 +27,7 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"), help="checkpoint directory")
-    parser.add_argument("--prompts", type=int, default=4, help="single-stream prompts")
+    parser.add_argument("--prompts", type=int, default=8, help="single-stream prompts")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--batches", default="1,4,16", help="batch sizes of the throughput table")
