@@ -251,9 +251,7 @@ class DecoderPool:
 
     def __init__(self, config: AppConfig):
         from actors.decoder import DecoderService
-
         from actors.prefill import PrefillService
-
         from cluster.metrics import DecoderMetrics, PrefillMetrics
 
         bundle = ModelBundle(config)
@@ -415,7 +413,7 @@ class Router:
         if self.index is None:
             return CachePlan(tuple(tokens), len(keys))  # one node: its store knows
         size = self.naming.chunk_tokens
-        usable = min(len(keys), (len(tokens) - 1) // size)  # the prefill encodes the last token
+        usable = max(0, min(len(keys), (len(tokens) - 1) // size))  # the prefill encodes the last token
         windows = self.naming.window_candidates(tokens[:-1], usable * size)
         now = time.time()
         located = self.index.locate(keys + [key for _, key in windows], now)
