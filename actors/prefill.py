@@ -77,7 +77,8 @@ class PrefillService:
         # Keep one token out of the chunks: the prompt's last token must be encoded.
         usable = min(plan.cached_chunks, (len(tokens) - 1) // self.naming.chunk_tokens)
         keys = self.naming.chunks(tokens)[:usable]
-        windows = self._windows(tokens, usable, plan)
+        # The router asked the index for the windows after exactly these chunks.
+        windows = list(plan.windows) if plan.windows is not None else self._window_candidates(tokens, usable)
         blobs = self.store.get_many(keys + [key for _, key in windows]) if keys or windows else []
         loaded = 0
         for blob in blobs[: len(keys)]:
@@ -92,16 +93,13 @@ class PrefillService:
             # The n-gram context of the loaded prefix (the window state would carry it).
             _, cache.ngram = self.engine.hasher.hash_ids(torch.tensor([tokens[: cache.length]]))
         if loaded < usable:  # a chunk was missing or bad: the windows after it instead
-            windows = self._windows(tokens, loaded, None)
+            windows = self._window_candidates(tokens, loaded)
             blobs = [None] * len(keys) + (self.store.get_many([key for _, key in windows]) if windows else [])
         return cache, loaded, self._load_window(cache, windows, blobs[len(keys):])
 
-    def _windows(self, tokens: list[int], chunks: int, plan: CachePlan | None) -> list[tuple[int, ObjectKey]]:
-        """Window states to try after ``chunks`` chunks: the plan's, when the router asked
-        the index for exactly these, else every candidate (leaving the last token)."""
-        if plan is not None and plan.windows is not None and chunks == min(
-                plan.cached_chunks, (len(tokens) - 1) // self.naming.chunk_tokens):
-            return list(plan.windows)
+    def _window_candidates(self, tokens: list[int], chunks: int) -> list[tuple[int, ObjectKey]]:
+        """Every window state the prompt could resume from after ``chunks`` chunks
+        (leaving its last token to encode)."""
         return self.naming.window_candidates(tokens[:-1], chunks * self.naming.chunk_tokens)
 
     def _load_window(self, cache, candidates: list[tuple[int, ObjectKey]], blobs: list[bytes | None]) -> bool:
