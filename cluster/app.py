@@ -355,6 +355,19 @@ def server_timing(marks: dict[str, float], replica_s: float, prefilled_by: str) 
     return ", ".join(parts + [f"compute;dur={1e3 * replica_s:.3f}"])
 
 
+def parse_server_timing(header: str) -> tuple[dict[str, float], dict[str, str]]:
+    """A ``Server-Timing`` value -> ({name: ms}, {name: desc})."""
+    durations, descriptions = {}, {}
+    for part in header.split(","):
+        name, *params = part.strip().split(";")
+        for key, _, value in (param.partition("=") for param in params):
+            if key == "dur":
+                durations[name] = float(value)
+            elif key == "desc":
+                descriptions[name] = value.strip('"')
+    return durations, descriptions
+
+
 fastapi_app = FastAPI(title="v41", docs_url=None, redoc_url=None)
 
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 import ray
 
+from cluster.app import parse_server_timing
 from model.chat import ChatTemplate, Message, Tokenizer
 from model.engine import Engine
 from tests.serve_harness import GOLDEN, running_app
@@ -59,32 +60,19 @@ def test_chat_streaming_equals_plain_and_counts_usage(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
-def _server_timing(header: str) -> tuple[dict[str, float], str]:
-    """Stages in ms, and where the prefill ran (its desc)."""
-    stages, where = {}, ""
-    for part in header.split(","):
-        name, *params = part.strip().split(";")
-        for key, _, value in (p.partition("=") for p in params):
-            if key == "dur":
-                stages[name] = float(value)
-            elif key == "desc" and name == "prefill":
-                where = value.strip('"')
-    return stages, where
-
-
 def test_server_timing_accounts_for_the_whole_trip(client):
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "x = 1"}], max_tokens=1, temperature=0)
-    stages, where = _server_timing(raw.headers["server-timing"])
+    stages, descriptions = parse_server_timing(raw.headers["server-timing"])
     trip = ["parse", "plan", "dispatch", "to_prefill", "prefill", "handoff", "decode", "stream", "respond"]
     assert list(stages) == trip + ["compute"]
     assert all(stages[name] >= 0 for name in trip)
-    assert where == "decoder"  # a short new prompt is encoded where it decodes
+    assert descriptions == {"prefill": "decoder"}  # a short new prompt is encoded where it decodes
     long = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "def f():\n    return 1\n" * 30}], max_tokens=1,
         temperature=0)
     assert long.parse().usage.prompt_tokens > 128
-    assert _server_timing(long.headers["server-timing"])[1] == "pool"
+    assert parse_server_timing(long.headers["server-timing"])[1] == {"prefill": "pool"}
     # The replicas' compute happens inside the prefill and decode stages.
     assert stages["compute"] == pytest.approx(float(raw.headers["x-v41-replica-ms"]), abs=1e-3)
     assert stages["compute"] <= stages["prefill"] + stages["decode"] + 1e-3

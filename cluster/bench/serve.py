@@ -63,18 +63,6 @@ async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dic
     return (first or end) - start, tokens, end - start, usage
 
 
-def _server_timing(header: str) -> dict[str, float]:
-    """``name;dur=ms[;desc="..."], ...`` -> {name: ms}."""
-    out = {}
-    for part in header.split(","):
-        name, *params = part.strip().split(";")
-        for param in params:
-            key, _, value = param.partition("=")
-            if key == "dur":
-                out[name] = float(value)
-    return out
-
-
 def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
     """Python-looking text of about ``n_tokens`` tokens, unique per ``nonce``."""
     unit = "".join(f"def handler_{i}(request):\n    return request.get('{nonce}-{i}')\n\n" for i in range(40))
@@ -84,6 +72,8 @@ def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
 
 async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
     import aiohttp
+
+    from cluster.app import parse_server_timing
 
     chat = f"{url}/v1/chat/completions"
     results: dict = {"concurrency": {}}
@@ -128,7 +118,7 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
                 async with session.post(chat, json=one) as reply:
                     await reply.read()
                     replica.append(float(reply.headers["x-v41-replica-ms"]) / 1e3)
-                    stages.append(_server_timing(reply.headers.get("server-timing", "")))
+                    stages.append(parse_server_timing(reply.headers.get("server-timing", ""))[0])
                 http.append(time.perf_counter() - start)
             results[path] = {"http_s": http, "replica_s": replica, "stages_ms": stages}
     return results
