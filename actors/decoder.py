@@ -11,6 +11,7 @@ tokens went out, so serialising a conversation never delays its last token.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from model.batcher import Batcher, Speculation, TokenEvent
@@ -38,10 +39,12 @@ class DecoderService:
 
     def admit(self, request_id: str, handoff: Handoff, params: SamplingParams) -> TokenEvent:
         """Load a handoff, replay the decoder half, and return the first token."""
-        cache = self.engine.new_cache()
-        load_window(cache, handoff.state, self.naming.identity)
+        cache = handoff.cache
+        if cache is None:
+            cache = self.engine.new_cache()
+            load_window(cache, handoff.state, self.naming.identity)
         inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids)
-        self._requests[request_id] = handoff
+        self._requests[request_id] = dataclasses.replace(handoff, cache=None)
         start = time.perf_counter()
         try:
             return self.batcher.add(request_id, params, cache=cache, inputs=inputs)

@@ -40,9 +40,12 @@ class PrefillService:
     def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming):
         self.engine, self.store, self.naming = engine, store, naming
 
-    def prefill(self, plan: CachePlan, engram_rows: Callable[[], dict[int, torch.Tensor]] | None = None) -> Handoff:
+    def prefill(self, plan: CachePlan, engram_rows: Callable[[], dict[int, torch.Tensor]] | None = None,
+                in_process: bool = False) -> Handoff:
         """Encode a request. ``engram_rows`` (optional) returns the Engram rows of the
-        whole prompt [S, cols, hd] per layer, fetched remotely while this runs."""
+        whole prompt [S, cols, hd] per layer, fetched remotely while this runs.
+        ``in_process``: the handoff carries the cache itself, not its bytes (for a
+        decoder in this process)."""
         tokens = list(plan.token_ids)
         if not tokens:
             raise ValueError("empty prompt")
@@ -59,7 +62,8 @@ class PrefillService:
         inputs = replay.then(fresh) if replay is not None else fresh
         return Handoff(
             token_ids=tuple(tokens),
-            state=window_to_bytes(cache, 0, self.naming.identity),
+            state=b"" if in_process else window_to_bytes(cache, 0, self.naming.identity),
+            cache=cache if in_process else None,
             positions=inputs.positions,
             streams=inputs.streams,
             pre=inputs.pre,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.cache import SequenceCache
 from model.serialize import StateIdentity, chunk_granularity
 from storage.keys import Fingerprint, ObjectKey, chunk_keys, window_key, window_keys_after
 
@@ -68,7 +69,9 @@ class Handoff:
 
     ``state`` is the whole sequence cache serialized (a window-state object over
     zero chunks: every long-range row, window, pending row and the n-gram context);
-    the tensors are the decoder input of the tokens the decoder must replay.
+    the tensors are the decoder input of the tokens the decoder must replay. A
+    handoff that never leaves the process it was made in (the decoder encoding a
+    short prompt itself) carries the ``cache`` instead and an empty ``state``.
     ``cached_tokens`` counts prompt tokens read from the store rather than encoded.
     """
 
@@ -85,3 +88,9 @@ class Handoff:
     # crosses ("prefill_in", "prefill_out", ...): the router's Server-Timing header.
     timeline: dict[str, float] = field(default_factory=dict)
     prefilled_by: str = ""  # "pool" (a prefill replica) or "decoder" (encoded where it decodes)
+    cache: SequenceCache | None = None
+
+    def __getstate__(self):
+        if self.cache is not None:
+            raise TypeError("a handoff holding its cache stays in the process that made it")
+        return self.__dict__

@@ -18,22 +18,24 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     from cluster.commands.serve import use_serve_environment
+    from storage.redis_server import free_port
 
-    use_serve_environment()  # before the raylets start: every Ray process runs with it
+    port = free_port()
+    use_serve_environment(port)  # before the raylets start: every Ray process runs with it
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"prefill_host": 1}, "object_store_memory": 128 << 20,
         "include_dashboard": False})
     try:
         worker = cluster.add_node(num_cpus=2, resources={"decoder_host": 1, "engram_host": 1},
                                   object_store_memory=128 << 20)
-        yield cluster, cluster.head_node.node_id, worker.node_id
+        yield cluster, cluster.head_node.node_id, worker.node_id, port
     finally:
         cluster.shutdown()
 
 
 def test_pools_and_engram_shard_on_different_raylets(cluster, tmp_path):
-    cluster, head, worker = cluster
-    with running_app(tmp_path, address=cluster.address, decoder_resources={"decoder_host": 1},
+    cluster, head, worker, port = cluster
+    with running_app(tmp_path, address=cluster.address, port=port, decoder_resources={"decoder_host": 1},
                      prefill_resources={"prefill_host": 1},
                      engram_shards=1, engram_cpus=0.5, local_prefill_tokens=0) as (url, redis):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)

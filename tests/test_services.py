@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -39,9 +40,9 @@ def _plan(naming, store, tokens):
     return CachePlan(tuple(tokens), match.chunks)
 
 
-def _run(engine, store, naming, tokens, n=12):
+def _run(engine, store, naming, tokens, n=12, in_process=False):
     prefill, decoder = PrefillService(engine, store, naming), DecoderService(engine, store, naming)
-    handoff = prefill.prefill(_plan(naming, store, tokens))
+    handoff = prefill.prefill(_plan(naming, store, tokens), in_process=in_process)
     params = SamplingParams(temperature=0.0, max_tokens=n)
     events = [decoder.admit("r", handoff, params)]
     while decoder.running:
@@ -67,6 +68,28 @@ def test_second_turn_reads_the_cache_and_matches_a_cold_exact_run(pools, golden_
     for _ in range(11):
         cold.append(int(cold_engine.decode([(cache, [cold[-1]])])[0][-1].argmax()))
     assert warm_answer == cold
+
+
+def test_an_in_process_handoff_decodes_and_stores_like_a_serialized_one(pools, golden_prompts):
+    engine, store, naming = pools
+    first = golden_prompts[1][:90]
+    prefill = PrefillService(engine, store, naming)
+    plan = CachePlan(tuple(first), 0)
+    answers = []
+    for handoff in (prefill.prefill(plan), prefill.prefill(plan, in_process=True)):
+        decoder = DecoderService(engine, store, naming)
+        events = [decoder.admit("r", handoff, SamplingParams(temperature=0.0, max_tokens=12))]
+        while decoder.running:
+            events += decoder.step()
+        answers.append([e.token_id for e in events])
+    assert handoff.state == b"" and handoff.cache is not None
+    with pytest.raises(TypeError, match="stays in the process"):
+        pickle.dumps(handoff)
+    assert answers[0] == answers[1]
+    decoder.write_pending()  # the in-process request's conversation
+    assert store.flush(timeout=10)
+    warm, _ = _run(engine, store, naming, first + answers[1] + [3, 40, 21], n=2, in_process=True)
+    assert warm.cached_tokens == len(first) + len(answers[1]) - 1
 
 
 def test_expired_window_state_falls_back_to_the_encoder_replay(pools, golden_prompts):

@@ -12,11 +12,13 @@ tiers), then measures through HTTP:
   the replicas spent computing it (prefill, handoff, replay, sample; reported by the
   router in the ``x-v41-replica-ms`` header), p50, for a short new prompt (encoded by
   the decoder replica) and for a ~200-token new prompt (the prefill pool's path, with
-  its handoff). Also printed: HTTP minus the same
-  request run in-process before Ray started, which adds the slowdown of sharing two
-  cores with the Ray processes. Where the time goes: the median of each stage of the
-  responses' ``Server-Timing`` header, and ``http+proxy`` (the client's wait beyond
-  the router's own span: HTTP and the Serve proxy).
+  its handoff); each one request at a time on an idle server ("isolated", the
+  headline) and back to back (the next request meets the previous conversation's
+  write to the store). Also printed: HTTP minus the same request run in-process
+  before Ray started, which adds the slowdown of sharing two cores with the Ray
+  processes. Where the time goes: the median of each stage of the responses'
+  ``Server-Timing`` header, and ``http`` (the client's wait beyond the router's own
+  span).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", default="1,4,8", help="concurrency levels")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--history", type=int, default=16384, help="history tokens of the returning turn")
-    parser.add_argument("--repeats", type=int, default=20, help="overhead repetitions")
+    parser.add_argument("--repeats", type=int, default=40, help="overhead repetitions")
 
 
 async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dict]:
@@ -107,20 +109,26 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
         results["cold"] = {"ttft_s": cold[0], "prompt_tokens": cold[3].get("prompt_tokens", 0)}
         # Serve overhead: one-token requests. A short new prompt (the decoder encodes it)
         # and a new prompt of ~200 tokens (above local_prefill_tokens: the prefill pool
-        # encodes it and hands off), each new so that nothing is cached.
+        # encodes it and hands off), each new so that nothing is cached. "isolated": one
+        # request at a time on an idle server (a pause lets the previous conversation's
+        # write-behind finish, which the in-process request does not do either);
+        # "back_to_back": the next request leaves as soon as the answer is in.
         for path in ("short", "pool"):
-            http, replica, stages = [], [], []
-            for i in range(args.repeats):
-                content = "x = 1" if path == "short" else f"# {i}\n" + "def f():\n    return 1\n" * 30
-                one = {"model": model_name, "max_tokens": 1, "temperature": 0,
-                       "messages": [{"role": "user", "content": content}]}
-                start = time.perf_counter()
-                async with session.post(chat, json=one) as reply:
-                    await reply.read()
-                    replica.append(float(reply.headers["x-v41-replica-ms"]) / 1e3)
-                    stages.append(parse_server_timing(reply.headers.get("server-timing", ""))[0])
-                http.append(time.perf_counter() - start)
-            results[path] = {"http_s": http, "replica_s": replica, "stages_ms": stages}
+            results[path] = {}
+            for pacing, pause in (("isolated", 0.05), ("back_to_back", 0.0)):
+                http, replica, stages = [], [], []
+                for i in range(args.repeats):
+                    content = "x = 1" if path == "short" else f"# {pacing} {i}\n" + "def f():\n    return 1\n" * 30
+                    one = {"model": model_name, "max_tokens": 1, "temperature": 0,
+                           "messages": [{"role": "user", "content": content}]}
+                    await asyncio.sleep(pause)
+                    start = time.perf_counter()
+                    async with session.post(chat, json=one) as reply:
+                        await reply.read()
+                        replica.append(float(reply.headers["x-v41-replica-ms"]) / 1e3)
+                        stages.append(parse_server_timing(reply.headers.get("server-timing", ""))[0])
+                    http.append(time.perf_counter() - start)
+                results[path][pacing] = {"http_s": http, "replica_s": replica, "stages_ms": stages}
     return results
 
 
@@ -142,43 +150,27 @@ def _in_process_one_token(model_dir: Path, repeats: int) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
-
-    from cluster.app import build_app
+    from cluster.app import AppConfig
     from cluster.cli import UserError
-    from cluster.commands.serve import default_model, use_serve_environment
+    from cluster.commands.serve import default_model, local_app
     from model.chat import Tokenizer
-    from storage.redis_server import RedisServer, free_port
+    from storage.redis_server import free_port
 
     model = args.model or default_model()
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
     tokenizer = Tokenizer.from_dir(model)
     in_process = _in_process_one_token(model, args.repeats)
-    use_serve_environment()  # as `v41 serve` runs the app
-    redis = RedisServer()
-    redis.start()
     port = free_port()
     cache_dir = tempfile.mkdtemp(prefix="v41-bench-serve-")  # removed once the store actors are gone
+    app_args = {"model": str(model), "ssd_dir": cache_dir + "/{node}", "max_model_len": args.history * 2 + 1024}
     try:
-        ray.init(namespace="v41", object_store_memory=512 << 20, include_dashboard=False, log_to_driver=False)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app({"model": str(model), "redis_url": redis.url, "ssd_dir": cache_dir + "/{node}",
-                         "max_model_len": args.history * 2 + 1024})
-        serve.run(app, name="v41", route_prefix="/")
-        from cluster.app import AppConfig
-
-        name = AppConfig.from_args({"model": str(model)}).model_name
-        results = asyncio.run(_measure(f"http://127.0.0.1:{port}", args, name, tokenizer))
+        with local_app(app_args, port=port):  # as `v41 serve` runs the app
+            name = AppConfig.from_args({"model": str(model)}).model_name
+            results = asyncio.run(_measure(f"http://127.0.0.1:{port}", args, name, tokenizer))
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            redis.stop()
-            shutil.rmtree(cache_dir, ignore_errors=True)
-    short, pool = results["short"], results["pool"]
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    short, pool = results["short"]["isolated"], results["pool"]["isolated"]
     http_p50 = statistics.median(short["http_s"])
     overhead_ms = _overhead_ms(short)
     vs_in_process_ms = 1e3 * (http_p50 - statistics.median(in_process))
@@ -193,22 +185,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"returning / cold TTFT: {ratio:.4f}")
     print(f"\none-token request, short new prompt: HTTP p50 {1e3 * http_p50:.1f} ms; compute inside the replicas "
           f"p50 {1e3 * statistics.median(short['replica_s']):.1f} ms; the same request in-process (before Ray "
-          f"started) p50 {1e3 * statistics.median(in_process):.1f} ms")
-    print(f"Serve overhead (HTTP - replica compute) p50: {overhead_ms:.1f} ms; HTTP - in-process: "
-          f"{vs_in_process_ms:.1f} ms")
-    stages = {path: _stage_medians(results[path]["stages_ms"], results[path]["http_s"]) for path in ("short", "pool")}
-    print("  where its time goes (p50 ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages["short"].items()))
-    print(f"one-token request, ~200-token new prompt through the prefill pool: Serve overhead p50 "
-          f"{_overhead_ms(pool):.1f} ms")
-    print("  where its time goes (p50 ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages["pool"].items()))
+          f"started) p50 {1e3 * statistics.median(in_process):.1f} ms; HTTP - in-process {vs_in_process_ms:.1f} ms")
+    overheads = {path: {pacing: _overhead_ms(run) for pacing, run in results[path].items()} for path in ("short", "pool")}
+    stages = {path: _stage_medians(results[path]["isolated"]["stages_ms"], results[path]["isolated"]["http_s"])
+              for path in ("short", "pool")}
+    print(f"\nServe overhead (HTTP - replica compute) p50 ms  {'isolated':>9}  {'back-to-back':>12}")
+    for path, label in (("short", "short new prompt (decoder encodes)"), ("pool", "~200-token prompt (prefill pool)")):
+        print(f"  {label:<45}  {overheads[path]['isolated']:>9.1f}  {overheads[path]['back_to_back']:>12.1f}")
+    for path in ("short", "pool"):
+        print(f"  {path}, isolated, where its time goes (p50 ms): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in stages[path].items()))
     if args.json:
         best = max(results["concurrency"].values(), key=lambda row: row["tokens_per_s"])
         print(json.dumps({
             "returning_over_cold_ttft": round(ratio, 4),
             "serve_overhead_ms_p50": round(overhead_ms, 2),
+            "serve_overhead_back_to_back_ms_p50": round(overheads["short"]["back_to_back"], 2),
             "http_minus_in_process_ms_p50": round(vs_in_process_ms, 2),
             "tokens_per_s": round(best["tokens_per_s"], 2),
-            "serve_overhead_pool_path_ms_p50": round(_overhead_ms(pool), 2),
+            "serve_overhead_pool_path_ms_p50": round(overheads["pool"]["isolated"], 2),
+            "serve_overhead_pool_path_back_to_back_ms_p50": round(overheads["pool"]["back_to_back"], 2),
             "one_token_stages_ms_p50": {path: {k: round(v, 2) for k, v in row.items()} for path, row in stages.items()},
             "concurrency": results["concurrency"],
             "returning": results["returning"], "cold": results["cold"],
@@ -217,12 +213,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stage_medians(stages: list[dict[str, float]], http_s: list[float]) -> dict[str, float]:
-    """Per stage of the Server-Timing header, the median; ``http+proxy`` is what the
-    client waited beyond the router's own span (HTTP, the Serve proxy, the network)."""
+    """Per stage of the Server-Timing header, the median; ``http`` is what the client
+    waited beyond the router's own span (the HTTP server, the network, the client)."""
     names = [name for name in stages[0] if name != "compute"] if stages else []
     out = {name: statistics.median(s.get(name, 0.0) for s in stages) for name in names}
     inside = [sum(v for k, v in s.items() if k != "compute") for s in stages]
-    out["http+proxy"] = statistics.median(1e3 * h - i for h, i in zip(http_s, inside))
+    out["http"] = statistics.median(1e3 * h - i for h, i in zip(http_s, inside))
     return out
 
 

@@ -9,21 +9,78 @@ then stops everything it started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
-# Ray Serve's latency settings (Ray >= 2.55): user code and the request router on each
-# replica's own event loop, gRPC between replicas. Every Ray process must see them, so
-# they are set before Ray starts; a value the user exported wins. (`serve run` and
-# `serve deploy` users export them themselves: see configs/serve-local.yaml.)
-SERVE_ENVIRONMENT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+def serve_environment(port: int) -> dict[str, str]:
+    """Ray Serve's latency settings (Ray >= 2.55), for a router answering HTTP on ``port``.
+
+    The throughput-optimised mode runs user code and the request router on each
+    replica's own event loop and talks gRPC between replicas; direct ingress lets the
+    router replica serve HTTP itself on ``port`` (no proxy hop: ~17 ms less per
+    request on two cores), while Serve's own proxy listens on a spare port; ports are
+    reusable at once, so a restarted router takes ``port`` back. Every Ray process must
+    see these, so they are set before Ray starts. (`serve run` and `serve deploy`
+    users export them themselves: see configs/serve-local.yaml.)
+    """
+    return {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        # No load balancer in front to deregister the router from: a stopping router
+        # waits for its requests, not for 30 s more.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
 
 
-def use_serve_environment() -> None:
-    for name, value in SERVE_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+def use_serve_environment(port: int) -> None:
+    os.environ.update(serve_environment(port))
+
+
+@contextlib.contextmanager
+def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_store_mb: int = 512,
+              address: str | None = None, num_cpus: int | None = None):
+    """An embedded Redis, Ray (a new local instance, or the cluster at ``address``,
+    started after :func:`use_serve_environment`) and the application with
+    ``app_args``, its router answering at ``http://host:port``. Yields the Redis
+    server; stops everything it started on the way out."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+    from storage.redis_server import RedisServer, free_port
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            from cluster.cli import UserError
+
+            raise UserError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    use_serve_environment(port)
+    redis = RedisServer()
+    redis.start()
+    try:
+        if address is None:
+            ray.init(namespace="v41", object_store_memory=object_store_mb << 20, num_cpus=num_cpus,
+                     include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, namespace="v41", log_to_driver=False)
+        serve.start(http_options={"host": host, "port": free_port(host)})  # Serve's proxy: unused
+        serve.run(build_app({**app_args, "redis_url": redis.url}), name="v41", route_prefix="/")
+        yield redis
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            redis.stop()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,44 +104,25 @@ def default_model() -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    import ray
-    from ray import serve
-
-    from cluster.app import build_app
     from cluster.cli import UserError
-    from storage.redis_server import RedisServer
 
     model = args.model or default_model()
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
     stop = threading.Event()
-    use_serve_environment()
-    redis = RedisServer()
-    redis.start()
-    try:
-        ray.init(namespace="v41", object_store_memory=args.object_store_mb << 20, include_dashboard=False,
-                 log_to_driver=False)
-        serve.start(http_options={"host": args.host, "port": args.port})
-        app = build_app({
-            "model": str(model),
-            "redis_url": redis.url,
-            "ssd_dir": str(args.cache_dir.resolve() / "{node}"),
-            "exact_replay": args.exact_replay,
-            "api_key": args.api_key,
-            "speculation": args.speculation,
-        })
-        serve.run(app, name="v41", route_prefix="/")
+    app_args = {
+        "model": str(model),
+        "ssd_dir": str(args.cache_dir.resolve() / "{node}"),
+        "exact_replay": args.exact_replay,
+        "api_key": args.api_key,
+        "speculation": args.speculation,
+    }
+    with local_app(app_args, args.host, args.port, args.object_store_mb):
         # Installed after Ray and Serve started, which set handlers of their own.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"v41 serving {model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
         while not stop.wait(0.5):
             pass
-    finally:
         print("v41: stopping", flush=True)
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            redis.stop()
     return 0
