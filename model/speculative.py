@@ -37,6 +37,8 @@ No I/O here: calibration temperatures are read and written as dicts by the calle
 
 from __future__ import annotations
 
+import bisect
+
 import math
 import statistics
 import time
@@ -299,15 +301,18 @@ class StepCost:
             raise ValueError("an empty step-cost table")
         self.seconds = dict(seconds)
         self.requests = sorted({r for r, _ in seconds})
-        self.max_tokens = {r: max(t for rr, t in seconds if rr == r) for r in self.requests}
+        # The t points of each R, sorted once: the scheduler reads the table ~R*K times a step.
+        self._ts = {r: sorted(t for rr, t in seconds if rr == r) for r in self.requests}
+        self.max_tokens = {r: ts[-1] for r, ts in self._ts.items()}
 
     def _at(self, r: int, t: float) -> float:
-        ts = sorted(tt for rr, tt in self.seconds if rr == r)
+        ts = self._ts[r]
         t = min(max(t, ts[0]), ts[-1])
-        lo = max(x for x in ts if x <= t)
-        hi = min(x for x in ts if x >= t)
-        if lo == hi:
-            return self.seconds[(r, lo)]
+        i = bisect.bisect_left(ts, t)
+        hi = ts[i]
+        if hi == t:
+            return self.seconds[(r, hi)]
+        lo = ts[i - 1]
         w = (t - lo) / (hi - lo)
         return (1 - w) * self.seconds[(r, lo)] + w * self.seconds[(r, hi)]
 
@@ -318,10 +323,11 @@ class StepCost:
             return self._at(rs[-1], t) * requests / rs[-1]
         if requests <= rs[0]:
             return self._at(rs[0], t)
-        lo = max(r for r in rs if r <= requests)
-        hi = min(r for r in rs if r >= requests)
-        if lo == hi:
-            return self._at(lo, t)
+        i = bisect.bisect_left(rs, requests)
+        hi = rs[i]
+        if hi == requests:
+            return self._at(hi, t)
+        lo = rs[i - 1]
         w = (requests - lo) / (hi - lo)
         return (1 - w) * self._at(lo, t) + w * self._at(hi, t)
 
