@@ -55,36 +55,43 @@ def _prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
     return [stream[s : s + length].tolist() for s in starts]
 
 
-def _decode(engine, prompts, max_tokens: int, speculation):
-    """Run ``prompts`` together; returns (outputs, decode seconds, decode tokens, metrics)."""
+def _decode(engine, prompts, max_tokens: int, speculation, cost=None):
+    """Run ``prompts`` together; returns (outputs, decode seconds, decode tokens, metrics).
+    With ``cost`` (a StepCost), also the seconds the profiled table gives its steps."""
     from model.batcher import Batcher
     from model.sampling import SamplingParams
 
     batcher = Batcher(engine, max_batch=len(prompts), speculation=speculation)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     out = {str(i): [batcher.add(str(i), params, prompt=p).token_id] for i, p in enumerate(prompts)}
-    seconds, cpu, tokens = 0.0, 0.0, 0
+    seconds, cpu, modelled, tokens = 0.0, 0.0, 0.0, 0
     while batcher.running:
+        requests, verified = len(batcher.running), batcher.metrics.verified
         start, start_cpu = time.perf_counter(), time.thread_time()
         events = batcher.step()
         seconds += time.perf_counter() - start
         cpu += time.thread_time() - start_cpu
+        if cost is not None:  # the step's batch: an anchor per request and the guesses verified
+            modelled += cost.seconds_per_step(requests, requests + batcher.metrics.verified - verified)
         tokens += len(events)
         for event in events:
             out[event.request_id].append(event.token_id)
-    return [out[str(i)] for i in range(len(prompts))], Timing(seconds, cpu), tokens, batcher.metrics
+    return [out[str(i)] for i in range(len(prompts))], Timing(seconds, cpu, modelled), tokens, batcher.metrics
 
 
 @dataclass
 class Timing:
-    """Seconds in ``step`` calls: wall clock, and this thread's CPU time (torch runs on
-    one thread here), which other processes taking the cores do not inflate."""
+    """Seconds in ``step`` calls: wall clock; this thread's CPU time (torch runs on one
+    thread here), which other processes taking the cores do not inflate; and what the
+    profiled step-cost table says the same steps cost (no noise at all: a function of
+    how many requests and tokens each step verified)."""
 
     wall: float = 0.0
     cpu: float = 0.0
+    modelled: float = 0.0
 
     def __add__(self, other: "Timing") -> "Timing":
-        return Timing(self.wall + other.wall, self.cpu + other.cpu)
+        return Timing(self.wall + other.wall, self.cpu + other.cpu, self.modelled + other.modelled)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     modes.append(("scheduler", scheduled))
     table: dict[int, dict[str, float]] = {}
     cpu_table: dict[int, dict[str, float]] = {}
+    modelled_table: dict[int, dict[str, float]] = {}  # speculative modes only (plain does not draft)
     paired: dict[int, float] = {}
     lengths: dict[int, dict[str, int]] = {}
     for batch in batches:
@@ -150,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.repeats):  # modes interleaved, so that load changes hit them alike
             rounds.append({})
             for name, speculation in modes:
-                _, timing, n, metrics = _decode(engine, prompts[:batch], args.batch_tokens, speculation)
+                _, timing, n, metrics = _decode(engine, prompts[:batch], args.batch_tokens, speculation, cost)
                 rounds[-1][name] = timing
                 tokens[name] += n
                 if name == "scheduler":
@@ -159,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         total = {name: sum((r[name] for r in rounds), Timing()) for name, _ in modes}
         table[batch] = {name: tokens[name] / total[name].wall for name, _ in modes}
         cpu_table[batch] = {name: tokens[name] / total[name].cpu for name, _ in modes}
+        modelled_table[batch] = {name: tokens[name] / total[name].modelled for name, _ in modes if name != "plain"}
         # Every mode emits the same tokens (greedy), so per round the speed ratio is a
         # time ratio: the scheduler against the best fixed k (by CPU time over all rounds).
         best = max((f"k={k}" for k in fixed), key=lambda name: cpu_table[batch][name])
@@ -184,6 +193,13 @@ def run(args: argparse.Namespace) -> int:
             ratios[batch] = rows[batch]["scheduler"] / max(rows[batch][f"k={k}"] for k in fixed)
             print(f"{batch:>5}  " + "  ".join(f"{rows[batch][n]:>9.2f}" for n in names)
                   + f"  {ratios[batch]:>12.3f}")
+    modelled_ratio = {b: modelled_table[b]["scheduler"] / max(modelled_table[b][f"k={k}"] for k in fixed)
+                      for b in batches}
+    print("by the profiled step-cost table (the steps each mode took, timed by the table Algorithm 1 reads):")
+    print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in names if n != "plain") + f"  {'sched/best k':>12}")
+    for batch in batches:
+        print(f"{batch:>5}  " + "  ".join(f"{modelled_table[batch][n]:>9.2f}" for n in names if n != "plain")
+              + f"  {modelled_ratio[batch]:>12.3f}")
     print("scheduler / best fixed k, median over rounds of the paired CPU-time ratio: "
           + ", ".join(f"batch {b}: {paired[b]:.3f}" for b in batches))
     print("scheduled verify lengths: " + "; ".join(f"batch {b}: {lengths[b]}" for b in batches))
@@ -201,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         "scheduler_over_best_fixed_k": {str(b): round(r, 4) for b, r in best_ratio.items()},
         "scheduler_over_best_fixed_k_cpu": {str(b): round(r, 4) for b, r in cpu_ratio.items()},
         "scheduler_over_best_fixed_k_paired_cpu": {str(b): round(r, 4) for b, r in paired.items()},
+        "scheduler_over_best_fixed_k_modelled": {str(b): round(r, 4) for b, r in modelled_ratio.items()},
         "scheduled_verify_lengths": {str(b): lengths[b] for b in batches},
         "step_cost_s": cost.to_dict(),
     }

@@ -56,7 +56,8 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
     from cluster.app import build_app
     from storage.redis_server import RedisServer, free_port
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # is someone listening there?
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server will
         try:
             probe.bind((host, port))
         except OSError as error:
