@@ -340,10 +340,14 @@ class StepCost:
 
     @classmethod
     def profile(cls, engine: Engine, drafter: SpeculativeDrafter | None, requests: Sequence[int] = (1, 2, 4, 8, 16),
-                max_tokens: int = 6, context: int = 96, repeats: int = 3, seed: int = 0) -> "StepCost":
+                max_tokens: int = 6, context: int = 96, repeats: int = 4, seed: int = 0) -> "StepCost":
         """Time real steps on synthetic caches (random entries in the real formats, full
         windows): for each R and t = 1..max_tokens, the median of ``repeats`` draft +
-        verify + accept steps (a step's cost does not depend on the values)."""
+        verify + accept steps (a step's cost does not depend on the values). The t are
+        timed in turns, up and down the range (1..T, T..1, ...; an even number of turns):
+        a machine that speeds up or slows down while it profiles must not turn into a
+        slope over t, which would tell the scheduler that guesses cost more (or less)
+        than they do (the median of the two middle turns is drift-free to first order)."""
         generator = torch.Generator().manual_seed(seed)
         seconds = {}
         for r in requests:
@@ -355,21 +359,28 @@ class StepCost:
                 pos = [torch.arange(context - drafter.window, context) for _ in range(r)]
                 contexts = drafter.extend([None] * r, feats, pos)
             greedy = [SamplingParams(temperature=0.0)] * r
-            for t in range(1, max_tokens + 1):
-                def step():
-                    if contexts is not None:
-                        drafter.propose(contexts, [5] * r, greedy, [None] * r)
-                    _, rewinds = engine.verify([(c, [5] * t) for c in caches])
-                    for c, rw in zip(caches, rewinds):
-                        engine.accept(c, rw, 1)  # the context grows by one token a step
-                step()  # warm-up
-                times = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    step()
-                    times.append(time.perf_counter() - start)
-                seconds[(r, t)] = statistics.median(times)
+
+            def step(t: int) -> float:
+                start = time.perf_counter()
+                if contexts is not None:
+                    drafter.propose(contexts, [5] * r, greedy, [None] * r)
+                _, rewinds = engine.verify([(c, [5] * t) for c in caches])
+                for c, rw in zip(caches, rewinds):
+                    engine.accept(c, rw, 1)  # the context grows by one token a step
+                return time.perf_counter() - start
+
+            step(max_tokens)  # warm-up
+            times: dict[int, list[float]] = {t: [] for t in range(1, max_tokens + 1)}
+            for t in timing_order(max_tokens, repeats):
+                times[t].append(step(t))
+            seconds.update({(r, t): statistics.median(ts) for t, ts in times.items()})
         return cls(_smooth(seconds))
+
+
+def timing_order(max_tokens: int, repeats: int) -> list[int]:
+    """t = 1..max_tokens, ``repeats`` times, up and down in turns (1..T, T..1, 1..T, ...)."""
+    lengths = list(range(1, max_tokens + 1))
+    return [t for turn in range(repeats) for t in (lengths if turn % 2 == 0 else lengths[::-1])]
 
 
 def _smooth(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:

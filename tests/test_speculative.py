@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from model.speculative import (
     accept_tokens,
     expected_calibration_error,
     schedule,
+    timing_order,
 )
 from model.training import init_module
 
@@ -365,3 +367,15 @@ def test_profiled_cost_has_every_point(tiny):
     assert set(cost.seconds) == set(itertools.product((1, 2), (1, 2, 3)))
     assert all(s > 0 for s in cost.seconds.values())
     assert cost.seconds_per_step(2, 6) >= cost.seconds_per_step(2, 2)
+
+
+def test_profile_order_cancels_a_drifting_machine():
+    # Each step timed on a machine slowing down steadily: a step's time is its position
+    # in the order. The median per t must not depend on t, or drift would read as a
+    # cost of verifying more guesses.
+    order = timing_order(6, 4)
+    assert sorted(order) == sorted(list(range(1, 7)) * 4)
+    medians = {t: statistics.median(i for i, u in enumerate(order) if u == t) for t in range(1, 7)}
+    assert len(set(medians.values())) == 1
+    one_way = [t for _ in range(4) for t in range(1, 7)]  # turns all in one direction: drift shows
+    assert len({statistics.median(i for i, u in enumerate(one_way) if u == t) for t in range(1, 7)}) == 6
