@@ -21,7 +21,7 @@ from model.speculative import (
     accept_tokens,
     expected_calibration_error,
     schedule,
-    timing_order,
+    pair_order,
 )
 from model.training import init_module
 
@@ -363,19 +363,19 @@ def test_expected_calibration_error_of_a_perfect_predictor_is_small():
 def test_profiled_cost_has_every_point(tiny):
     engine, drafter = tiny
     cost = StepCost.profile(engine, SpeculativeDrafter(drafter, engine), requests=(1, 2), max_tokens=3,
-                            context=40, repeats=1)
+                            context=40, pairs=2)
     assert set(cost.seconds) == set(itertools.product((1, 2), (1, 2, 3)))
     assert all(s > 0 for s in cost.seconds.values())
     assert cost.seconds_per_step(2, 6) >= cost.seconds_per_step(2, 2)
 
 
-def test_profile_order_cancels_a_drifting_machine():
-    # Each step timed on a machine slowing down steadily: a step's time is its position
-    # in the order. The median per t must not depend on t, or drift would read as a
-    # cost of verifying more guesses.
-    order = timing_order(6, 4)
-    assert sorted(order) == sorted(list(range(1, 7)) * 4)
-    medians = {t: statistics.median(i for i, u in enumerate(order) if u == t) for t in range(1, 7)}
-    assert len(set(medians.values())) == 1
-    one_way = [t for _ in range(4) for t in range(1, 7)]  # turns all in one direction: drift shows
-    assert len({statistics.median(i for i, u in enumerate(one_way) if u == t) for t in range(1, 7)}) == 6
+def test_profile_pairs_cancel_a_drifting_machine():
+    # Each step timed on a machine slowing down steadily: a step's time is its position.
+    # The median paired rise of T over 1 must come out 0, or drift would read as a cost
+    # of verifying more guesses.
+    order = [t for pair in pair_order(6, 8) for t in pair]
+    assert sorted(order) == sorted([1, 6] * 8)
+    rises = [(order.index(6, i) - order.index(1, i)) for i in range(0, 16, 2)]
+    assert statistics.median(rises) == 0
+    one_way = [t for _ in range(8) for t in (1, 6)]  # pairs all in one order: drift shows
+    assert statistics.median(one_way.index(6, i) - one_way.index(1, i) for i in range(0, 16, 2)) == 1
