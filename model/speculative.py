@@ -38,7 +38,6 @@ No I/O here: calibration temperatures are read and written as dicts by the calle
 from __future__ import annotations
 
 import bisect
-
 import math
 import statistics
 import time
