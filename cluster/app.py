@@ -218,6 +218,15 @@ def _engram_rows(engram, metrics):
     return rows
 
 
+def _prefilled(handoff, arrived: float, where: str, metrics):
+    """Mark a handoff as prefilled ``where`` ("pool" | "decoder"), arrived at
+    ``arrived`` and done now, and count its prefill time."""
+    handoff.timeline.update(prefill_in=arrived, prefill_out=time.time())
+    handoff.prefilled_by = where
+    metrics.prefill.observe(handoff.prefill_s)
+    return handoff
+
+
 @serve.deployment(request_router_config=RequestRouterConfig(
     request_router_class="cluster.routing:PrefixAffinityRouter"))
 class PrefillPool:
@@ -244,10 +253,7 @@ class PrefillPool:
         arrived = time.time()
         rows = _engram_rows(engram, self.metrics)
         handoff = await asyncio.get_running_loop().run_in_executor(self.executor, self.service.prefill, plan, rows)
-        handoff.timeline.update(prefill_in=arrived, prefill_out=time.time())
-        handoff.prefilled_by = "pool"
-        self.metrics.prefill.observe(handoff.prefill_s)
-        return handoff
+        return _prefilled(handoff, arrived, "pool", self.metrics)
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -290,10 +296,9 @@ class DecoderPool:
         rows = _engram_rows(engram, self.prefill_metrics)
 
         def encode_and_admit():
-            handoff = self.prefiller.prefill(plan, rows, in_process=True)
-            handoff.prefilled_by = "decoder"
-            handoff.timeline.update(prefill_in=arrived, prefill_out=time.time(), decode_in=time.time())
-            self.prefill_metrics.prefill.observe(handoff.prefill_s)
+            handoff = _prefilled(self.prefiller.prefill(plan, rows, in_process=True), arrived, "decoder",
+                                 self.prefill_metrics)
+            handoff.timeline["decode_in"] = handoff.timeline["prefill_out"]
             return handoff, self.service.admit(request_id, handoff, params)
 
         async for event in self._decode(request_id, encode_and_admit):

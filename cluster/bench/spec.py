@@ -184,22 +184,18 @@ def run(args: argparse.Namespace) -> int:
           f"{single.accepted}/{single.verified}; verify lengths {single.to_dict()['verify_lengths']}")
     names = [name for name, _ in modes]
     print(f"\nbatch throughput, decode tokens/s ({args.batch_tokens} tokens per request, {args.repeats} rounds)")
-    best_ratio, cpu_ratio = {}, {}
-    for label, rows, ratios in (("wall clock", table, best_ratio), ("CPU time of the engine thread", cpu_table,
-                                                                      cpu_ratio)):
+    ratios: dict[str, dict[int, float]] = {}
+    for label, rows in (("wall clock", table), ("CPU time of the engine thread", cpu_table),
+                        ("by the profiled step-cost table (the steps each mode took, timed by the table Algorithm 1 "
+                         "reads)", modelled_table)):
+        shown = [n for n in names if n in rows[batches[0]]]
+        ratios[label] = {b: rows[b]["scheduler"] / max(rows[b][f"k={k}"] for k in fixed) for b in batches}
         print(f"{label}:")
-        print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in names) + f"  {'sched/best k':>12}")
+        print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in shown) + f"  {'sched/best k':>12}")
         for batch in batches:
-            ratios[batch] = rows[batch]["scheduler"] / max(rows[batch][f"k={k}"] for k in fixed)
-            print(f"{batch:>5}  " + "  ".join(f"{rows[batch][n]:>9.2f}" for n in names)
-                  + f"  {ratios[batch]:>12.3f}")
-    modelled_ratio = {b: modelled_table[b]["scheduler"] / max(modelled_table[b][f"k={k}"] for k in fixed)
-                      for b in batches}
-    print("by the profiled step-cost table (the steps each mode took, timed by the table Algorithm 1 reads):")
-    print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in names if n != "plain") + f"  {'sched/best k':>12}")
-    for batch in batches:
-        print(f"{batch:>5}  " + "  ".join(f"{modelled_table[batch][n]:>9.2f}" for n in names if n != "plain")
-              + f"  {modelled_ratio[batch]:>12.3f}")
+            print(f"{batch:>5}  " + "  ".join(f"{rows[batch][n]:>9.2f}" for n in shown)
+                  + f"  {ratios[label][batch]:>12.3f}")
+    best_ratio, cpu_ratio, modelled_ratio = ratios.values()
     print("scheduler / best fixed k, median over rounds of the paired CPU-time ratio: "
           + ", ".join(f"batch {b}: {paired[b]:.3f}" for b in batches))
     print("scheduled verify lengths: " + "; ".join(f"batch {b}: {lengths[b]}" for b in batches))
