@@ -6,25 +6,28 @@ On a checkpoint with a trained drafter (by default ``configs/small`` with its
 model's corpus:
 
 - **single stream**: decode tokens/s of one request at a time, speculative (the
-  scheduler) against plain; the speculative tokens are checked equal to the plain ones;
-  acceptance length (tokens per request per backbone pass) and tokens per pass.
+  scheduler) against plain, in lockstep; the speculative tokens are checked equal to
+  the plain ones; acceptance length (tokens per request per backbone pass) and tokens
+  per pass.
 - **batch throughput** at batch 1, 4, 16 (all requests start together): decode tokens/s
   of the scheduler against fixed k = 1..5 and against plain decoding, over ``--repeats``
-  rounds in which the modes take turns.
+  rounds; in each round every mode decodes the same prompts in lockstep (one step of
+  each mode in turn, see :func:`lockstep`).
 
 Decode tokens/s counts the tokens of ``step`` calls over the time spent in them (the
 first token of each request comes from its replay, the same in every mode), by the
-wall clock and by the engine thread's CPU time (torch on one thread: the CPU time is
-the work itself, which other processes on a shared machine do not inflate); the
-scheduler is also compared round by round with the best fixed k (median of the paired
-CPU-time ratios). The
-scheduler's step-cost table is profiled first, as the decoder does when it starts.
+wall clock, by the engine thread's CPU time (torch on one thread; on this VM it is no
+steadier than the wall clock) and by the profiled step-cost table; the scheduler is
+also compared round by round with the best fixed k (median of the per-round CPU-time
+ratios). The scheduler's step-cost table is profiled first, as the decoder does when
+it starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -55,28 +58,56 @@ def _prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
     return [stream[s : s + length].tolist() for s in starts]
 
 
-def _decode(engine, prompts, max_tokens: int, speculation, cost=None):
-    """Run ``prompts`` together; returns (outputs, decode seconds, decode tokens, metrics).
-    With ``cost`` (a StepCost), also the seconds the profiled table gives its steps."""
+@dataclass
+class Run:
+    """One mode's share of a lockstep run."""
+
+    outputs: list[list[int]]
+    timing: "Timing"
+    tokens: int  # tokens out of ``step`` calls (each request's first comes from its replay)
+    metrics: object  # SpecMetrics
+
+
+def lockstep(engine, prompts, max_tokens: int, modes: dict, cost=None, seed: int = 0) -> dict[str, Run]:
+    """Decode ``prompts`` (together, greedy) once per mode, the modes' batchers taking
+    one step each in turn, in a new (seeded) random order every turn, so that no mode
+    always goes first or always follows the same neighbour.
+
+    Side by side at the scale of one step, because this machine is not steady at the
+    scale of a run: six back-to-back runs of the same work at batch 16 took 7.3 to
+    11.0 s of CPU time. Whole runs in turn had the scheduler 7% behind k=5 at batch 16
+    (0.85-0.99 in five bench runs); in lockstep the two are level, within what a second
+    k=5 (the bench's control) differs from the first. ``modes`` maps names to a
+    :class:`Speculation` or None (plain). With ``cost`` (a StepCost), each mode's
+    steps are also timed by the table."""
     from model.batcher import Batcher
     from model.sampling import SamplingParams
 
-    batcher = Batcher(engine, max_batch=len(prompts), speculation=speculation)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    out = {str(i): [batcher.add(str(i), params, prompt=p).token_id] for i, p in enumerate(prompts)}
-    seconds, cpu, modelled, tokens = 0.0, 0.0, 0.0, 0
-    while batcher.running:
-        requests, verified = len(batcher.running), batcher.metrics.verified
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        events = batcher.step()
-        seconds += time.perf_counter() - start
-        cpu += time.thread_time() - start_cpu
-        if cost is not None:  # the step's batch: an anchor per request and the guesses verified
-            modelled += cost.seconds_per_step(requests, requests + batcher.metrics.verified - verified)
-        tokens += len(events)
-        for event in events:
-            out[event.request_id].append(event.token_id)
-    return [out[str(i)] for i in range(len(prompts))], Timing(seconds, cpu, modelled), tokens, batcher.metrics
+    batchers, outputs, timings, tokens = {}, {}, {}, {}
+    for name, speculation in modes.items():
+        batcher = Batcher(engine, max_batch=len(prompts), speculation=speculation)
+        outputs[name] = {str(i): [batcher.add(str(i), params, prompt=p).token_id] for i, p in enumerate(prompts)}
+        batchers[name], timings[name], tokens[name] = batcher, Timing(), 0
+    names, order = list(modes), random.Random(seed)
+    while any(b.running for b in batchers.values()):
+        for name in order.sample(names, len(names)):
+            batcher = batchers[name]
+            if not batcher.running:
+                continue
+            requests, verified = len(batcher.running), batcher.metrics.verified
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            events = batcher.step()
+            wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+            modelled = 0.0
+            if cost is not None and modes[name] is not None:  # an anchor per request + the guesses verified
+                modelled = cost.seconds_per_step(requests, requests + batcher.metrics.verified - verified)
+            timings[name] += Timing(wall, cpu, modelled)
+            tokens[name] += len(events)
+            for event in events:
+                outputs[name][event.request_id].append(event.token_id)
+    return {name: Run([outputs[name][str(i)] for i in range(len(prompts))], timings[name], tokens[name],
+                      batchers[name].metrics) for name in names}
 
 
 @dataclass
@@ -126,26 +157,30 @@ def run(args: argparse.Namespace) -> int:
     scheduled = Speculation(drafter, "scheduled", cost=cost)
     prompts = _prompts(tokenizer, max(args.prompts, max(batches)), args.prompt_tokens, args.seed)
 
-    # Single stream: one request at a time, plain and speculative alternated per prompt.
+    # Single stream: one request at a time, plain and speculative in lockstep per prompt.
     plain_s = spec_s = 0.0
     plain_n = spec_n = 0
     equal = True
     single = SpecMetrics()
     for prompt in prompts[: args.prompts]:
-        out_plain, s, n, _ = _decode(engine, [prompt], args.max_tokens, None)
-        plain_s, plain_n = plain_s + s.wall, plain_n + n
-        out_spec, s, n, metrics = _decode(engine, [prompt], args.max_tokens, scheduled)
-        spec_s, spec_n = spec_s + s.wall, spec_n + n
-        equal &= out_plain == out_spec
+        runs = lockstep(engine, [prompt], args.max_tokens, {"plain": None, "speculative": scheduled}, seed=args.seed)
+        plain, spec = runs["plain"], runs["speculative"]
+        plain_s, plain_n = plain_s + plain.timing.wall, plain_n + plain.tokens
+        spec_s, spec_n = spec_s + spec.timing.wall, spec_n + spec.tokens
+        equal &= plain.outputs == spec.outputs
         for name in ("passes", "request_steps", "emitted", "accepted", "verified"):
-            setattr(single, name, getattr(single, name) + getattr(metrics, name))
-        for length, count in metrics.verify_lengths.items():
+            setattr(single, name, getattr(single, name) + getattr(spec.metrics, name))
+        for length, count in spec.metrics.verify_lengths.items():
             single.verify_lengths[length] = single.verify_lengths.get(length, 0) + count
     plain_tps, spec_tps = plain_n / plain_s, spec_n / spec_s
 
     # Batch throughput: every mode at every batch size.
-    modes = [("plain", None)] + [(f"k={k}", Speculation(drafter, "fixed", k=k)) for k in fixed]
-    modes.append(("scheduler", scheduled))
+    # The control: the largest fixed k a second time. Identical work, so its ratio to the
+    # first shows how finely this machine can tell two modes apart.
+    control = f"k={max(fixed)} again"
+    modes = {"plain": None, **{f"k={k}": Speculation(drafter, "fixed", k=k) for k in fixed}, "scheduler": scheduled,
+             control: Speculation(drafter, "fixed", k=max(fixed))}
+    batch_equal = True
     table: dict[int, dict[str, float]] = {}
     cpu_table: dict[int, dict[str, float]] = {}
     modelled_table: dict[int, dict[str, float]] = {}  # speculative modes only (plain does not draft)
@@ -153,21 +188,20 @@ def run(args: argparse.Namespace) -> int:
     lengths: dict[int, dict[str, int]] = {}
     for batch in batches:
         rounds: list[dict[str, Timing]] = []
-        tokens = {name: 0 for name, _ in modes}
+        tokens = {name: 0 for name in modes}
         lengths[batch] = {}
-        for _ in range(args.repeats):  # modes interleaved, so that load changes hit them alike
-            rounds.append({})
-            for name, speculation in modes:
-                _, timing, n, metrics = _decode(engine, prompts[:batch], args.batch_tokens, speculation, cost)
-                rounds[-1][name] = timing
-                tokens[name] += n
-                if name == "scheduler":
-                    for k, v in metrics.verify_lengths.items():
-                        lengths[batch][str(k)] = lengths[batch].get(str(k), 0) + v
-        total = {name: sum((r[name] for r in rounds), Timing()) for name, _ in modes}
-        table[batch] = {name: tokens[name] / total[name].wall for name, _ in modes}
-        cpu_table[batch] = {name: tokens[name] / total[name].cpu for name, _ in modes}
-        modelled_table[batch] = {name: tokens[name] / total[name].modelled for name, _ in modes if name != "plain"}
+        for round_ in range(args.repeats):
+            runs = lockstep(engine, prompts[:batch], args.batch_tokens, modes, cost, seed=args.seed + round_)
+            rounds.append({name: run.timing for name, run in runs.items()})
+            for name, run in runs.items():
+                tokens[name] += run.tokens
+                batch_equal &= run.outputs == runs["plain"].outputs
+            for k, v in runs["scheduler"].metrics.verify_lengths.items():
+                lengths[batch][str(k)] = lengths[batch].get(str(k), 0) + v
+        total = {name: sum((r[name] for r in rounds), Timing()) for name in modes}
+        table[batch] = {name: tokens[name] / total[name].wall for name in modes}
+        cpu_table[batch] = {name: tokens[name] / total[name].cpu for name in modes}
+        modelled_table[batch] = {name: tokens[name] / total[name].modelled for name in modes if name != "plain"}
         # Every mode emits the same tokens (greedy), so per round the speed ratio is a
         # time ratio: the scheduler against the best fixed k (by CPU time over all rounds).
         best = max((f"k={k}" for k in fixed), key=lambda name: cpu_table[batch][name])
@@ -182,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'speculative':>12}  {spec_tps:>9.2f}   x{spec_tps / plain_tps:.2f}; outputs equal: {equal}")
     print(f"acceptance length {single.acceptance_length:.3f} tokens per pass; guesses accepted "
           f"{single.accepted}/{single.verified}; verify lengths {single.to_dict()['verify_lengths']}")
-    names = [name for name, _ in modes]
+    names = list(modes)
     print(f"\nbatch throughput, decode tokens/s ({args.batch_tokens} tokens per request, {args.repeats} rounds)")
     ratios: dict[str, dict[int, float]] = {}
     for label, rows in (("wall clock", table), ("CPU time of the engine thread", cpu_table),
@@ -198,13 +232,17 @@ def run(args: argparse.Namespace) -> int:
     best_ratio, cpu_ratio, modelled_ratio = ratios.values()
     print("scheduler / best fixed k, median over rounds of the paired CPU-time ratio: "
           + ", ".join(f"batch {b}: {paired[b]:.3f}" for b in batches))
+    print(f"control, {control} / k={max(fixed)} (the same work; 1 up to noise), wall clock: "
+          + ", ".join(f"batch {b}: {table[b][control] / table[b][f'k={max(fixed)}']:.3f}" for b in batches))
     print("scheduled verify lengths: " + "; ".join(f"batch {b}: {lengths[b]}" for b in batches))
+    print(f"every mode's outputs equal plain decoding's: {batch_equal}")
     result = {
         "checkpoint": str(args.checkpoint),
         "calibrated": calibration is not None,
         "single_stream_tokens_per_s": {"plain": round(plain_tps, 3), "speculative": round(spec_tps, 3)},
         "single_stream_speedup": round(spec_tps / plain_tps, 4),
         "greedy_outputs_equal": equal,
+        "batch_outputs_equal": batch_equal,
         "acceptance_length": round(single.acceptance_length, 4),
         "tokens_per_pass": round(single.tokens_per_pass, 4),
         "single_stream_verify_lengths": single.to_dict()["verify_lengths"],
@@ -215,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         "scheduler_over_best_fixed_k_paired_cpu": {str(b): round(r, 4) for b, r in paired.items()},
         "scheduler_over_best_fixed_k_modelled": {str(b): round(r, 4) for b, r in modelled_ratio.items()},
         "scheduled_verify_lengths": {str(b): lengths[b] for b in batches},
+        "control_over_same_k": {str(b): round(table[b][control] / table[b][f"k={max(fixed)}"], 4) for b in batches},
         "step_cost_s": cost.to_dict(),
     }
     if 16 in best_ratio:
