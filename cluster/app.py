@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from starlette.background import BackgroundTask
 
 from cluster import openai_api as api
 
@@ -191,12 +192,17 @@ class ModelBundle(ModelIdentity):
         return node_store(settings, self.naming.fingerprint.digest)
 
 
+def _prompt_gil_handoff() -> None:
+    """A thread running Python holds the GIL until the interpreter's switch interval
+    (5 ms by default) asks it to let go; a replica's event loop, which waits on
+    sockets and other threads many times per request, gets it back within 0.5 ms."""
+    sys.setswitchinterval(5e-4)
+
+
 def _one_thread_executor() -> concurrent.futures.ThreadPoolExecutor:
     # The engine is not thread-safe: all model work of a replica runs on one thread,
-    # off the event loop. When that thread runs Python code it holds the GIL until the
-    # interpreter's switch interval (5 ms by default) asks it to let go; the event loop
-    # (requests in, tokens out) gets the GIL back within 0.5 ms instead.
-    sys.setswitchinterval(5e-4)
+    # off the event loop (requests in, tokens out).
+    _prompt_gil_handoff()
     return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
@@ -410,6 +416,7 @@ class Router:
     def __init__(self, config: AppConfig, prefill, decoder):
         from cluster.metrics import RouterMetrics
 
+        _prompt_gil_handoff()
         self.config = config
         # How each call travels. The prefill's answer goes to the decoder by reference:
         # the handoff moves between the replicas through the object store, not through
@@ -576,8 +583,9 @@ class Router:
             self.metrics.record(endpoint, "503")
             body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
             return JSONResponse(body, status_code=503)
-        self.metrics.record(endpoint, "200", len(tokens), result["cached"], len(result["tokens"]),
-                            result["ttft"], time.perf_counter() - start)
+        # Counted once the response is out (Ray metrics cost ~0.1 ms a request).
+        counted = BackgroundTask(self._count, endpoint, "200", len(tokens), result["cached"],
+                                 len(result["tokens"]), result["ttft"], time.perf_counter() - start)
         usage = api.usage(len(tokens), len(result["tokens"]), result["cached"])
         if chat:
             body = api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
@@ -587,9 +595,14 @@ class Router:
         # Time the replicas spent computing the first token (prefill, replay, sample), and
         # where the rest of the request's time went (Server-Timing, milliseconds).
         marks.update(result["timeline"], router_out=time.time())
-        return JSONResponse(body, headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
-                                           "server-timing": server_timing(marks, result["replica_s"],
-                                                                          result["prefilled_by"])})
+        return JSONResponse(body, background=counted,
+                            headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
+                                     "server-timing": server_timing(marks, result["replica_s"], result["prefilled_by"])})
+
+    async def _count(self, *args) -> None:
+        """``metrics.record`` as a coroutine: Starlette would run a plain function in a
+        worker thread, one more thread for the event loop to share the GIL with."""
+        self.metrics.record(*args)
 
     async def _collect(self, stream, request: api.GenerationRequest, start: float) -> dict:
         tokens, parts, reasoning_parts, cached, finish, replica_s = [], [], [], 0, "stop", 0.0

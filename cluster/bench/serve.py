@@ -75,8 +75,6 @@ def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
 async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
     import aiohttp
 
-    from cluster.app import parse_server_timing
-
     chat = f"{url}/v1/chat/completions"
     results: dict = {"concurrency": {}}
     timeout = aiohttp.ClientTimeout(total=3600)
@@ -107,28 +105,47 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
         results["returning"] = {"ttft_s": returning[0], "cached_tokens": returning[3].get("prompt_tokens_details", {})
                                 .get("cached_tokens", 0), "prompt_tokens": returning[3].get("prompt_tokens", 0)}
         results["cold"] = {"ttft_s": cold[0], "prompt_tokens": cold[3].get("prompt_tokens", 0)}
-        # Serve overhead: one-token requests. A short new prompt (the decoder encodes it)
-        # and a new prompt of ~200 tokens (above local_prefill_tokens: the prefill pool
-        # encodes it and hands off), each new so that nothing is cached. "isolated": one
-        # request at a time on an idle server (a pause lets the previous conversation's
-        # write-behind finish, which the in-process request does not do either);
-        # "back_to_back": the next request leaves as soon as the answer is in.
+    return results
+
+
+def _one_token_requests(host: str, port: int, model_name: str, repeats: int) -> dict:
+    """Serve overhead: one-token requests. A short new prompt (the decoder encodes it)
+    and a new prompt of ~200 tokens (above local_prefill_tokens: the prefill pool
+    encodes it and hands off), each new so that nothing is cached. "isolated": one
+    request at a time on an idle server (a pause lets the previous conversation's
+    write-behind finish, which the in-process request does not do either);
+    "back_to_back": the next request leaves as soon as the answer is in.
+
+    The client is http.client on one keep-alive connection: what is measured is the
+    server's path, and aiohttp's own request and response handling adds ~1 ms here."""
+    import http.client
+
+    from cluster.app import parse_server_timing
+
+    connection = http.client.HTTPConnection(host, port, timeout=600)
+    results: dict = {}
+    try:
         for path in ("short", "pool"):
             results[path] = {}
             for pacing, pause in (("isolated", 0.05), ("back_to_back", 0.0)):
-                http, replica, stages = [], [], []
-                for i in range(args.repeats):
+                latency, replica, stages = [], [], []
+                for i in range(repeats):
                     content = "x = 1" if path == "short" else f"# {pacing} {i}\n" + "def f():\n    return 1\n" * 30
-                    one = {"model": model_name, "max_tokens": 1, "temperature": 0,
-                           "messages": [{"role": "user", "content": content}]}
-                    await asyncio.sleep(pause)
+                    body = json.dumps({"model": model_name, "max_tokens": 1, "temperature": 0,
+                                       "messages": [{"role": "user", "content": content}]})
+                    time.sleep(pause)
                     start = time.perf_counter()
-                    async with session.post(chat, json=one) as reply:
-                        await reply.read()
-                        replica.append(float(reply.headers["x-v41-replica-ms"]) / 1e3)
-                        stages.append(parse_server_timing(reply.headers.get("server-timing", ""))[0])
-                    http.append(time.perf_counter() - start)
-                results[path][pacing] = {"http_s": http, "replica_s": replica, "stages_ms": stages}
+                    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+                    reply = connection.getresponse()
+                    payload = reply.read()
+                    latency.append(time.perf_counter() - start)
+                    if reply.status != 200:
+                        raise RuntimeError(f"HTTP {reply.status}: {payload.decode(errors='replace')}")
+                    replica.append(float(reply.getheader("x-v41-replica-ms")) / 1e3)
+                    stages.append(parse_server_timing(reply.getheader("server-timing", ""))[0])
+                results[path][pacing] = {"http_s": latency, "replica_s": replica, "stages_ms": stages}
+    finally:
+        connection.close()
     return results
 
 
@@ -168,9 +185,10 @@ def run(args: argparse.Namespace) -> int:
         with local_app(app_args, port=port):  # as `v41 serve` runs the app
             name = AppConfig.from_args({"model": str(model)}).model_name
             results = asyncio.run(_measure(f"http://127.0.0.1:{port}", args, name, tokenizer))
+            results.update(_one_token_requests("127.0.0.1", port, name, args.repeats))
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    short, pool = results["short"]["isolated"], results["pool"]["isolated"]
+    short = results["short"]["isolated"]
     http_p50 = statistics.median(short["http_s"])
     overhead_ms = _overhead_ms(short)
     vs_in_process_ms = 1e3 * (http_p50 - statistics.median(in_process))

@@ -1,0 +1,51 @@
+"""The Redis location index's lookup: live copies of every key, in order, in one command
+(a Lua script), and the same answer through a pipeline where the server refuses scripts."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from storage.index import IndexUpdate, Location, RedisIndex
+from storage.keys import Fingerprint, chunk_keys
+from storage.policy import TierName
+from storage.redis_link import RedisLink
+from storage.redis_server import RedisServer
+from tests.redis_server import redis_server  # noqa: F401  (fixture)
+
+KEYS = chunk_keys(Fingerprint.of("tiny", {"layers": 4}), range(64 * 5), 64)
+
+
+def _index(url: str, namespace: str) -> RedisIndex:
+    return RedisIndex(RedisLink(url, namespace=namespace, timeout_s=1, retry_s=0), key_ttl_s=3600)
+
+
+def _fill(index: RedisIndex, now: float) -> list[tuple[Location, ...]]:
+    """Copies with live and expired entries; returns what ``locate`` must answer."""
+    a, b, c = Location("n1", TierName.RAM), Location("n2", TierName.SSD), Location("*", TierName.REDIS)
+    updates = [IndexUpdate(KEYS[0].hex, b, now + 60), IndexUpdate(KEYS[0].hex, a, now + 60),
+               IndexUpdate(KEYS[2].hex, c, now + 3600), IndexUpdate(KEYS[3].hex, a, now + 60)]
+    assert index.apply(updates, now)
+    # An entry whose retention ran out is filtered by the reader (the writer has not trimmed it yet).
+    index._link.client.zadd(index._name(KEYS[3].hex), {b.member: now - 1})
+    return [(a, b), (), (c,), (a,), ()]
+
+
+def test_locate_answers_live_copies_in_order_by_script_and_by_pipeline(redis_server: RedisServer) -> None:
+    now = time.time()
+    namespace = f"t{time.monotonic_ns()}"
+    scripted = _index(redis_server.url, namespace)
+    expected = _fill(scripted, now)
+    assert scripted.locate(KEYS, now) == expected
+    assert scripted._scripting
+    # A user that may not run scripts: the same answer through a pipeline.
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.acl_setuser("noscripts", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-@scripting"])
+    url = f"redis://noscripts:pw@{redis_server.host}:{redis_server.port}/0"
+    piped = _index(url, namespace)
+    assert piped.locate(KEYS, now) == expected
+    assert not piped._scripting
+    assert piped.locate(KEYS, now) == expected
+    assert piped._link.errors == 0  # refusing the script is not Redis being away
+    assert scripted.locate([], now) == []
