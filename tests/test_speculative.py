@@ -379,3 +379,31 @@ def test_profile_pairs_cancel_a_drifting_machine():
     assert statistics.median(rises) == 0
     one_way = [t for _ in range(8) for t in (1, 6)]  # pairs all in one order: drift shows
     assert statistics.median(one_way.index(6, i) - one_way.index(1, i) for i in range(0, 16, 2)) == 1
+
+
+def test_bench_lockstep_runs_every_mode_as_if_alone(tiny):
+    """`v41 bench spec` interleaves the modes' steps: each mode must still decode exactly
+    what it decodes alone (no batcher sees another's requests), and be timed by its own
+    steps only."""
+    from cluster.bench.spec import lockstep
+
+    engine, drafter = tiny
+    prompts = [_tokens(n, n) for n in (30, 41, 52)]
+    plain = _plain_greedy(engine, prompts, 7)
+    spec = SpeculativeDrafter(drafter, engine)
+    modes = {"plain": None, "k=2": Speculation(spec, "fixed", k=2),
+             "scheduler": Speculation(spec, "scheduled", cost=_flat_cost(slope=0.01))}
+    runs = lockstep(engine, prompts, 7, modes, cost=_flat_cost(slope=0.01), seed=3)
+    assert list(runs) == list(modes)
+    for name, run in runs.items():
+        assert run.outputs == plain, name
+        assert run.tokens == 3 * 6  # the first token of each request comes from its replay
+        assert run.timing.wall > 0 and run.timing.cpu > 0
+    assert runs["plain"].timing.modelled == 0.0  # plain does not draft: no table time
+    alone = Batcher(engine, max_batch=3, speculation=modes["k=2"])
+    for i, p in enumerate(prompts):
+        alone.add(str(i), SamplingParams(temperature=0.0, max_tokens=7), prompt=p)
+    while alone.running:
+        alone.step()
+    assert runs["k=2"].metrics.passes == alone.metrics.passes
+    assert runs["k=2"].metrics.verified == alone.metrics.verified
