@@ -78,6 +78,27 @@ def test_server_timing_accounts_for_the_whole_trip(client):
     assert stages["compute"] <= stages["prefill"] + stages["decode"] + 1e-3
 
 
+def test_metrics_reach_prometheus_through_ray(client):
+    """The router's and the pools' metrics, scraped from the node's Ray metrics port."""
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "def metrics():"}],
+                                   max_tokens=3, temperature=0)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    wanted = ("v41_requests_total", "v41_ttft_seconds", "v41_prompt_tokens_total", "v41_decoder_batch_size",
+              "v41_decoder_running_requests")
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:  # Ray pushes a worker's metrics every few seconds
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        if all(name in text for name in wanted):
+            break
+        time.sleep(1.0)
+    missing = [name for name in wanted if name not in text]
+    assert not missing, f"not exported: {missing}"
+    served = [line for line in text.splitlines()
+              if line.startswith("ray_v41_requests_total{") or line.startswith("v41_requests_total{")]
+    assert any('status="200"' in line and float(line.rsplit(" ", 1)[1]) >= 1 for line in served), served
+
+
 def test_completions_stop_string(client):
     full = client.completions.create(model=MODEL, prompt="import os\nimport sys\n", max_tokens=12, temperature=0)
     text = full.choices[0].text
