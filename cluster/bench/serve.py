@@ -117,7 +117,7 @@ def _one_token_requests(host: str, port: int, model_name: str, repeats: int) -> 
     "back_to_back": the next request leaves as soon as the answer is in.
 
     The client is http.client on one keep-alive connection: what is measured is the
-    server's path, and aiohttp's own request and response handling adds ~1 ms here."""
+    server's path, and aiohttp's own request and response handling adds ~0.6 ms here."""
     import http.client
 
     from cluster.app import parse_server_timing
