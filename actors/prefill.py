@@ -13,6 +13,7 @@ decoder input.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -20,7 +21,7 @@ from typing import Protocol
 import torch
 
 from model.engine import DecoderInput, Engine
-from model.serialize import StateError, load_chunk, load_window, window_to_bytes
+from model.serialize import StateError, load_chunks, load_window, window_to_bytes
 from storage.keys import ObjectKey
 
 from .state import CachePlan, Handoff, StateNaming
@@ -84,15 +85,8 @@ class PrefillService:
         # The router asked the index for the windows after exactly these chunks.
         windows = list(plan.windows) if plan.windows is not None else self._window_candidates(tokens, usable)
         blobs = self.store.get_many(keys + [key for _, key in windows]) if keys or windows else []
-        loaded = 0
-        for blob in blobs[: len(keys)]:
-            if blob is None:
-                break
-            try:
-                load_chunk(cache, blob, self.naming.identity)
-            except StateError:
-                break
-            loaded += 1
+        present = itertools.takewhile(lambda blob: blob is not None, blobs[: len(keys)])
+        loaded = load_chunks(cache, present, self.naming.identity)  # up to a missing or bad chunk
         if loaded and self.engine.hasher is not None:
             # The n-gram context of the loaded prefix (the window state would carry it).
             _, cache.ngram = self.engine.hasher.hash_ids(torch.tensor([tokens[: cache.length]]))

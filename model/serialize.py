@@ -27,12 +27,13 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
-from .cache import SequenceCache
+from .cache import PackedRows, SequenceCache
 from .config import TextConfig
 from .formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
 
@@ -182,20 +183,62 @@ def load_chunk(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> No
 
     Verifies everything before touching the cache: on error the cache is unchanged.
     """
+    layout = _chunk_layout(cache)
+    tokens, rows = _parse_chunk(layout, blob, identity, cache.length, [store.n for _, _, store in layout])
+    for (_, _, store), data in zip(layout, rows):
+        store.append_bytes(data.to(store._data.device))
+    cache.length += tokens
+
+
+def load_chunks(cache: SequenceCache, blobs: Iterable[bytes], identity: StateIdentity) -> int:
+    """:func:`load_chunk` over consecutive chunks, up to the first that does not verify
+    (it and those after it are left out); returns how many were loaded.
+
+    Each row store dequantises the rows of all the chunks at once: a returning turn's
+    250 chunks were 1,000 small dequantisations (~0.2 s of a 0.25 s prefill), now a
+    handful of large ones. Values are those of loading the chunks one by one (the
+    formats dequantise row by row)."""
+    layout = _chunk_layout(cache)
+    counts = [store.n for _, _, store in layout]
+    staged: list[list[torch.Tensor]] = [[] for _ in layout]
+    length, loaded = cache.length, 0
+    for blob in blobs:
+        try:
+            tokens, rows = _parse_chunk(layout, blob, identity, length, counts)
+        except StateError:
+            break
+        for i, data in enumerate(rows):
+            staged[i].append(data)
+            counts[i] += data.shape[0]
+        length, loaded = length + tokens, loaded + 1
+    for (_, _, store), parts in zip(layout, staged):
+        if parts:
+            store.append_bytes(torch.cat(parts).to(store._data.device))
+    cache.length = length
+    return loaded
+
+
+def _chunk_layout(cache: SequenceCache) -> list[tuple[int, int, PackedRows]]:
+    """(KV source, compress ratio, row store) for every row store a chunk covers, in
+    its byte order: each source's entries, then its indexer keys."""
+    return [(source, ratio, rows) for source, ratio in _sources(cache)
+            for rows in (cache.entries[source], cache.keys[source])]
+
+
+def _parse_chunk(layout, blob: bytes, identity: StateIdentity, length: int,
+                 counts: list[int]) -> tuple[int, list[torch.Tensor]]:
+    """A chunk's token count and its rows per row store, checked against a cache of
+    ``length`` tokens whose stores hold ``counts`` rows; changes nothing."""
     start, tokens, payload = _open(blob, CHUNK, identity)
-    if start != cache.length:
-        raise StateError(f"chunk starts at {start}, the cache ends at {cache.length}")
-    reader, staged = _Reader(payload), []
-    for source, ratio in _sources(cache):
-        n = (start + tokens) // ratio - start // ratio
-        for rows in (cache.entries[source], cache.keys[source]):
-            if rows.n != start // ratio:
-                raise StateError(f"layer {source}: cache holds {rows.n} entries, chunk starts at {start // ratio}")
-            staged.append((rows, reader.rows(n, rows.row_bytes)))
+    if start != length:
+        raise StateError(f"chunk starts at {start}, the cache ends at {length}")
+    reader, rows = _Reader(payload), []
+    for (source, ratio, store), count in zip(layout, counts):
+        if count != start // ratio:
+            raise StateError(f"layer {source}: cache holds {count} entries, chunk starts at {start // ratio}")
+        rows.append(reader.rows((start + tokens) // ratio - start // ratio, store.row_bytes))
     reader.done()
-    for rows, data in staged:
-        rows.append_bytes(data.to(rows._data.device))
-    cache.length = start + tokens
+    return tokens, rows
 
 
 # ---------------------------------------------------------------------- window state

@@ -15,6 +15,7 @@ from model.serialize import (
     chunk_granularity,
     chunk_to_bytes,
     load_chunk,
+    load_chunks,
     load_window,
     window_to_bytes,
 )
@@ -121,3 +122,31 @@ def test_foreign_model_tokenizer_or_order_is_rejected(setup):
         load_chunk(engine.new_cache(), chunks[1], identity)  # out of order
     with pytest.raises(StateError, match="kind"):
         load_window(engine.new_cache(), chunks[0], identity)
+
+
+def test_chunks_loaded_together_equal_chunks_loaded_one_by_one(setup):
+    """The prefill's batched load: same rows, values and length as chunk after chunk,
+    and it stops at the first chunk that does not verify, keeping those before it."""
+    engine, identity, cache, _ = setup
+    chunks, _ = _serialize(cache, identity)
+    one_by_one = engine.new_cache()
+    for blob in chunks:
+        load_chunk(one_by_one, blob, identity)
+    together = engine.new_cache()
+    assert load_chunks(together, chunks, identity) == len(chunks) == 4
+    assert together.length == one_by_one.length == 4 * CHUNK
+    assert together.long_range_bytes() == one_by_one.long_range_bytes()
+    for stores, expected in ((together.entries, one_by_one.entries), (together.keys, one_by_one.keys)):
+        assert stores.keys() == expected.keys()
+        for layer, rows in stores.items():
+            assert torch.equal(rows.values, expected[layer].values) and torch.equal(rows.data, expected[layer].data)
+    bad = bytearray(chunks[2])
+    bad[-7] ^= 0x10
+    partial = engine.new_cache()
+    assert load_chunks(partial, [chunks[0], chunks[1], bytes(bad), chunks[3]], identity) == 2
+    two = engine.new_cache()
+    for blob in chunks[:2]:
+        load_chunk(two, blob, identity)
+    assert partial.length == 2 * CHUNK and partial.long_range_bytes() == two.long_range_bytes()
+    assert load_chunks(engine.new_cache(), [chunks[1]], identity) == 0  # out of order: nothing
+    assert load_chunks(engine.new_cache(), [], identity) == 0
