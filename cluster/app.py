@@ -125,6 +125,11 @@ class AppConfig:
                                persist_window_states=self.persist_window_states, **extra)
 
 
+# The router remembers the ids of the long messages it tokenised, up to this many tokens
+# (~50 MB with their texts): a returning turn re-renders its whole history.
+_TEMPLATE_MEMO_TOKENS = 4 << 20
+
+
 class ModelIdentity:
     """What the router and every replica agree on: config, tokenizer, state naming."""
 
@@ -138,7 +143,7 @@ class ModelIdentity:
         self.model_config = ModelConfig.load(config.model)
         text = self.model_config.text
         self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
-        self.template = ChatTemplate(self.tokenizer)
+        self.template = ChatTemplate(self.tokenizer, memo_tokens=_TEMPLATE_MEMO_TOKENS)
         identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
         self.naming = StateNaming.of(identity, text, config.chunk_tokens)
         eos = text.eos_token_id

@@ -211,3 +211,31 @@ def test_incremental_detokenizer_never_splits_a_character(tokenizer: Tokenizer) 
     pieces = _stream(tokenizer, ids, skip_special_tokens=True)
     assert "".join(pieces) == text
     assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_a_template_with_a_memo_renders_what_one_without_renders(tokenizer: Tokenizer) -> None:
+    """The router's template remembers the ids of long texts: a conversation rendered
+    turn after turn gives the same ids as a fresh template, and the memo stays within
+    its token budget (least recently used texts go first)."""
+    rng = random.Random(7)
+    words = ["def", "return", "self", "value", "  ", "\n", "(x)", "import", "héllo", "42", "#", "==", ":"]
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    plain = ChatTemplate(tokenizer)
+    budget = 600
+    memo = ChatTemplate(tokenizer, memo_tokens=budget)
+    messages = [Message("system", text(120))]
+    for turn in range(6):
+        messages.append(Message("user", text(rng.choice([5, 90, 200]))))
+        assert memo.render(messages, thinking=turn % 2 == 1) == plain.render(messages, thinking=turn % 2 == 1)
+        messages.append(Message("assistant", text(rng.choice([3, 150]))))
+    kept = memo._encode.__self__
+    assert kept.entries and 0 < kept.tokens <= budget
+    assert kept.tokens == sum(len(ids) for ids in kept.entries.values())
+    assert all(len(t) >= kept.MIN_CHARS for t in kept.entries)
+    eligible = {m.content for m in messages[:-1] if len(m.content) >= kept.MIN_CHARS}
+    assert sum(len(tokenizer.encode(t)) for t in eligible) > budget > 0  # so some were evicted
+    assert len(kept.entries) < len(eligible)
+    newest = next(reversed(kept.entries))
+    assert list(kept.entries[newest]) == tokenizer.encode(newest)
