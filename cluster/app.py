@@ -125,17 +125,12 @@ class AppConfig:
                                persist_window_states=self.persist_window_states, **extra)
 
 
-# The router remembers the ids of the long messages it tokenised, up to this many tokens
-# (~50 MB with their texts): a returning turn re-renders its whole history.
-_TEMPLATE_MEMO_TOKENS = 4 << 20
-
-
 class ModelIdentity:
     """What the router and every replica agree on: config, tokenizer, state naming."""
 
     def __init__(self, config: AppConfig):
         from actors.state import StateNaming
-        from model.chat import ChatTemplate, Tokenizer
+        from model.chat import Tokenizer
         from model.config import ModelConfig
         from model.loader import weights_digest
         from model.serialize import StateIdentity
@@ -143,7 +138,6 @@ class ModelIdentity:
         self.model_config = ModelConfig.load(config.model)
         text = self.model_config.text
         self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
-        self.template = ChatTemplate(self.tokenizer, memo_tokens=_TEMPLATE_MEMO_TOKENS)
         identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
         self.naming = StateNaming.of(identity, text, config.chunk_tokens)
         eos = text.eos_token_id
@@ -420,6 +414,7 @@ class Router:
 
     def __init__(self, config: AppConfig, prefill, decoder):
         from cluster.metrics import RouterMetrics
+        from model.chat import ChatTemplate
 
         _prompt_gil_handoff()
         self.config = config
@@ -431,7 +426,10 @@ class Router:
         self.decoder = decoder.options(stream=True, _by_reference=True)
         self.decoder_direct = decoder.options(stream=True, _by_reference=False)
         model = ModelIdentity(config)
-        self.model_config, self.tokenizer, self.template = model.model_config, model.tokenizer, model.template
+        self.model_config, self.tokenizer = model.model_config, model.tokenizer
+        # It remembers the ids of the long messages it tokenised, up to 4M tokens (~50 MB
+        # with their texts): a returning turn re-renders its whole history.
+        self.template = ChatTemplate(self.tokenizer, memo_tokens=4 << 20)
         self.naming = model.naming
         self.metrics = RouterMetrics()
         self.index = None
