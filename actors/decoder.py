@@ -43,7 +43,8 @@ class DecoderService:
         if cache is None:
             cache = self.engine.new_cache()
             load_window(cache, handoff.state, self.naming.identity)
-        inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids)
+        inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids,
+                              handoff.replay_engram_ids)
         self._requests[request_id] = dataclasses.replace(handoff, cache=None)
         start = time.perf_counter()
         try:

@@ -69,6 +69,7 @@ class PrefillService:
             streams=inputs.streams,
             pre=inputs.pre,
             replay_ids=inputs.token_ids,
+            replay_engram_ids=inputs.engram_ids,
             cached_tokens=cached,
             stored_chunks=chunks_read,
             prefill_s=time.perf_counter() - start,

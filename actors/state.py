@@ -84,6 +84,7 @@ class Handoff:
     cached_tokens: int
     stored_chunks: int
     prefill_s: float = 0.0  # time the prefill replica spent on it (the Serve-overhead bench)
+    replay_engram_ids: torch.Tensor | None = None  # Engram row ids of the replayed tokens (DecoderInput.engram_ids)
     # Wall-clock marks (time.time()) of the request's trip, set by the replicas it
     # crosses ("prefill_in", "prefill_out", ...): the router's Server-Timing header.
     timeline: dict[str, float] = field(default_factory=dict)

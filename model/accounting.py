@@ -99,7 +99,8 @@ def kv_bytes_per_token(config: TextConfig) -> int:
     total = 0.0
     for plan in config.layer_plans():
         if plan.is_kv_source:
-            entry = formats.COMPRESSED_KV.nbytes(config.head_dim) + formats.INDEXER_KEY.nbytes(config.index_head_dim)
+            entry = (formats.COMPRESSED_KV.for_width(config.head_dim).nbytes(config.head_dim)
+                     + formats.INDEXER_KEY.for_width(config.index_head_dim).nbytes(config.index_head_dim))
             total += entry / plan.compress_ratio
     if total != int(total):
         raise ValueError(f"fractional cache bytes per token: {total}")

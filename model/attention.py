@@ -199,16 +199,36 @@ def visible_entries(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Te
     return entries < ((q_pos.long() + 1) // ratio).unsqueeze(-1)
 
 
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best of ``scores`` [..., T] along the last dimension, ties going to the
+    lower index: (indices [..., k] ascending, their scores).
+
+    Equal scores are common, not rare: an indexer score is a weighted sum of ReLUs, so
+    every entry all of whose head products are negative scores exactly 0, and a block
+    of such entries ties too. ``torch.topk`` breaks ties as its kernel happens to (it
+    differs with the tensor's width and the CPU), which would let two paths that score
+    identically pick differently; this rule depends on the scores alone.
+    """
+    k = min(k, scores.shape[-1])
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above = scores > kth
+    ties = scores == kth
+    wanted = k - above.sum(-1, keepdim=True)
+    chosen = above | (ties & (ties.cumsum(-1) <= wanted))  # exactly k per row
+    indices = chosen.nonzero()[:, -1].view(*scores.shape[:-1], k)
+    return indices, scores.gather(-1, indices)
+
+
 def _top_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int, block: int):
     """Block scores (best entry of each block; the newest visible block pinned to +inf)
-    and their top ``topk_blocks``: returns (topk values, topk block indices)."""
+    and their top ``topk_blocks``: returns (block indices, their scores)."""
     width = scores.shape[-1]
     padded = F.pad(scores, (0, -width % block), value=float("-inf"))
     block_scores = padded.unflatten(-1, (-1, block)).amax(dim=-1)
     n_blocks = block_scores.shape[-1]
     newest = ((n_visible - 1) // block).unsqueeze(-1)
     block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, float("inf"))
-    return block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
+    return top_k(block_scores, topk_blocks)
 
 
 def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
@@ -220,10 +240,10 @@ def candidate_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks:
     ``topk_blocks`` reachable blocks form the pool. Returns bool [..., T].
     """
     width = scores.shape[-1]
-    top = _top_blocks(scores, n_visible, topk_blocks, block)
+    indices, values = _top_blocks(scores, n_visible, topk_blocks, block)
     n_blocks = -(-width // block)
     keep = torch.zeros(*scores.shape[:-1], n_blocks, dtype=torch.bool, device=scores.device)
-    keep.scatter_(-1, top.indices, top.values > float("-inf"))
+    keep.scatter_(-1, indices, values > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :width]
 
 
@@ -236,14 +256,13 @@ def candidate_entries(
     scores only its candidates (its cost stops growing with the context).
     """
     width = scores.shape[-1]
-    top = _top_blocks(scores, n_visible, topk_blocks, block)
-    entries = (top.indices.unsqueeze(-1) * block + torch.arange(block, device=scores.device)).flatten(-2)
-    valid = (top.values > float("-inf")).repeat_interleave(block, dim=-1) & (entries < width)
+    indices, values = _top_blocks(scores, n_visible, topk_blocks, block)
+    entries = (indices.unsqueeze(-1) * block + torch.arange(block, device=scores.device)).flatten(-2)
+    valid = (values > float("-inf")).repeat_interleave(block, dim=-1) & (entries < width)
     return entries.clamp_max(width - 1), valid
 
 
 def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
     """bool [..., T]: the ``k`` best entries among those scoring above -inf."""
-    width = scores.shape[-1]
-    top = scores.topk(min(k, width), dim=-1)
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    indices, values = top_k(scores, k)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))

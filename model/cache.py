@@ -36,8 +36,11 @@ class PackedRows:
     """
 
     def __init__(self, fmt: BlockFormat, dim: int, device: torch.device | str = "cpu"):
+        """Rows of ``dim`` values in ``fmt``, or float32 when ``dim`` is not a multiple of
+        its block (:meth:`BlockFormat.for_width`)."""
+        fmt = fmt.for_width(dim)
         self.fmt, self.dim = fmt, dim
-        self.payload = dim if fmt.element == "e4m3" else dim // 2
+        self.payload = fmt.payload_bytes(dim)
         self.row_bytes = fmt.nbytes(dim)
         self._data = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=device)
         self._values = torch.empty(0, dim, dtype=torch.float32, device=device)

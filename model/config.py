@@ -181,26 +181,39 @@ class TextConfig:
         """The mapping :meth:`from_dict` reads back (lists, not tuples)."""
         return {f.name: _thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
+    # The released schedule: what the release fills in when a config leaves these keys out.
+    _RELEASED_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
+    _RELEASED_KV_SOURCES = (2, 8, 14, 20)
+    _RELEASED_INDEX_SOURCES = (2, 8, 14, 20, 24, 28, 32, 36)
+
     def _with_derived_defaults(self) -> "TextConfig":
         """Fill the list-valued keys the way the release does when they are absent."""
-        n = self.num_hidden_layers
+        n, n_draft = self.num_hidden_layers, self.num_nextn_predict_layers
         updates: dict[str, Any] = {}
         ratios = self.compress_ratios
         if ratios is None:
-            n_slide = min(2, n)
-            n_enc = max(0, (n - n_slide + 1) // 2)
-            ratios = (0,) * n_slide + (2,) * n_enc + (1,) * max(0, n - n_slide - n_enc)
+            if n == len(self._RELEASED_RATIOS):
+                ratios = self._RELEASED_RATIOS
+            else:  # the released pattern scaled to n layers
+                n_slide = min(2, n)
+                n_enc = max(0, (n - n_slide + 1) // 2)
+                ratios = (0,) * n_slide + (2,) * n_enc + (1,) * max(0, n - n_slide - n_enc)
         if len(ratios) < n:
             raise ConfigError(f"compress_ratios has {len(ratios)} entries for {n} layers")
+        if len(ratios) > n + n_draft:
+            raise ConfigError(f"compress_ratios has {len(ratios)} entries for {n} layers + {n_draft} draft layers")
         # The release lists the DSpark layers' ratios (always 0) after the backbone's.
-        updates["compress_ratios"] = tuple(ratios[:n])
+        backbone = updates["compress_ratios"] = tuple(ratios[:n])
         kv_sources = self.kv_source_layer_ids
         if kv_sources is None:
-            b = updates["compress_ratios"]
-            kv_sources = tuple(i for i in range(n) if b[i] > 0 and (i == 0 or b[i - 1] != b[i]))
+            if backbone == self._RELEASED_RATIOS[:n]:
+                kv_sources = self._RELEASED_KV_SOURCES
+            else:  # the first layer of each run of equal ratios publishes for the run
+                kv_sources = tuple(i for i in range(n) if backbone[i] > 0 and (i == 0 or backbone[i - 1] != backbone[i]))
         updates["kv_source_layer_ids"] = tuple(kv_sources)
         if self.index_source_layer_ids is None:
-            updates["index_source_layer_ids"] = tuple(kv_sources)
+            released = tuple(kv_sources) == self._RELEASED_KV_SOURCES
+            updates["index_source_layer_ids"] = self._RELEASED_INDEX_SOURCES if released else tuple(kv_sources)
         if self.candidate_source_layer_id is None:
             updates["candidate_source_layer_id"] = kv_sources[-1] if kv_sources else -1
         if self.dspark_target_layer_ids is None:
@@ -213,6 +226,16 @@ class TextConfig:
         return dataclasses.replace(self, **updates)
 
     def _validated(self) -> "TextConfig":
+        """The release's checks, and the few layer plans it runs but cannot mean.
+
+        Each error names the key to change. Rejected beyond the release's own checks,
+        because the release computes something inconsistent for them: a KV source that
+        runs no indexer (its layers would use another group's picks), a layer whose
+        compress ratio differs from its KV source's (its visibility rule would let it
+        read an entry before the entry's last token), an index source after the
+        candidate source that reads another KV group (the candidate pool indexes the
+        candidate source's entries).
+        """
         n = self.num_hidden_layers
         ratios = self.compress_ratios
         kv, ix = self.kv_source_layer_ids, self.index_source_layer_ids
@@ -222,34 +245,69 @@ class TextConfig:
                 raise ConfigError(f"{name} {list(bad)} must be layers with compress_ratios > 0")
         missing = [i for i in kv if i not in ix]
         if missing:
-            raise ConfigError(f"KV-source layers {missing} must also be index sources (they publish indexer keys)")
+            raise ConfigError(f"kv_source_layer_ids {missing} must also be in index_source_layer_ids "
+                              "(a KV source publishes the indexer keys its group scores)")
         for i in range(n):
             if ratios[i] and not any(s <= i for s in kv):
-                raise ConfigError(f"layer {i} has a compressed branch but no KV source at or before it")
-        if self.candidate_source_layer_id >= 0 and self.candidate_source_layer_id not in ix:
-            raise ConfigError("candidate_source_layer_id must be an index source")
+                raise ConfigError(f"compress_ratios: layer {i} has a compressed branch but no "
+                                  "kv_source_layer_ids entry at or before it")
+            if ratios[i]:
+                source = max(s for s in kv if s <= i)
+                if ratios[source] != ratios[i]:
+                    raise ConfigError(f"compress_ratios: layer {i} has ratio {ratios[i]} but reads the entries of "
+                                      f"KV source {source} (ratio {ratios[source]}); a layer's ratio must be its source's")
+        cand = self.candidate_source_layer_id
+        if cand >= 0:
+            if cand not in ix:
+                raise ConfigError(f"candidate_source_layer_id {cand} must be in index_source_layer_ids")
+            group = max(s for s in kv if s <= cand)
+            strangers = [i for i in ix if i > cand and max(s for s in kv if s <= i) != group]
+            if strangers:
+                raise ConfigError(f"candidate_source_layer_id {cand}: later index sources {strangers} read another "
+                                  "KV group than the candidate pool's")
         if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
-            raise ConfigError("engram_num_embeddings must have one entry per engram layer")
+            raise ConfigError("engram_num_embeddings must have one entry per engram_layer_ids entry")
+        bad_engram = [i for i in self.engram_layer_ids if not 0 <= i < n]
+        if bad_engram or len(set(self.engram_layer_ids)) != len(self.engram_layer_ids):
+            raise ConfigError(f"engram_layer_ids {list(self.engram_layer_ids)} must be distinct layers in [0, {n})")
         if self.num_attention_heads * self.head_dim % self.o_groups:
-            raise ConfigError("num_attention_heads * head_dim must divide into o_groups")
+            raise ConfigError("o_groups must divide num_attention_heads * head_dim")
         if self.qk_rope_head_dim % 2 or self.qk_rope_head_dim > min(self.head_dim, self.index_head_dim):
-            raise ConfigError("qk_rope_head_dim must be even and fit in the attention and indexer heads")
+            raise ConfigError("qk_rope_head_dim must be even and fit in head_dim and index_head_dim")
+        if not isinstance(self.swiglu_limit, (int, float)) or isinstance(self.swiglu_limit, bool):
+            raise ConfigError(f"swiglu_limit must be a number (0 turns the clamp off), got {self.swiglu_limit!r}")
+        if self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be at least 1, got {self.sliding_window}")
+        if self.num_nextn_predict_layers:
+            bad = [i for i in self.dspark_target_layer_ids if not 0 <= i < n]
+            if not self.dspark_target_layer_ids or bad:
+                raise ConfigError(f"dspark_target_layer_ids {list(self.dspark_target_layer_ids)} must name layers in "
+                                  f"[0, {n}) for the {self.num_nextn_predict_layers} DSpark layers (the default takes "
+                                  "the last three layers that are not KV sources)")
         if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
             raise ConfigError(f"unsupported scoring_func {self.scoring_func!r}")
         if self.hidden_act != "silu":
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}")
+        self.layer_plans()  # every layer must have a plan
         return self
 
     # ------------------------------------------------------------------ derived
     @property
     def decoder_start(self) -> int:
-        """First layer of the CED decoder half: the first ratio-1 layer (else none)."""
-        return next((i for i, r in enumerate(self.compress_ratios) if r == 1), self.num_hidden_layers)
+        """First layer of the CED decoder half, the layers the decoder pool replays over a
+        prompt's tail.
 
-    @property
-    def pooling_ratio(self) -> int:
-        """The encoder's pooling ratio (largest compress ratio, 1 if none pool)."""
-        return max([r for r in self.compress_ratios if r] or [1])
+        The decoder half holds the ratio-1 layers, and starts at the last KV source: that
+        layer's long-range entries are the CED projection of everything before it, which
+        the prefill computes for every token (layer 20 of the release, its first ratio-1
+        layer). A ratio-1 KV source after the first one makes the layers before it part of
+        the prefill, since a replay over the tail could not build its entries. Without
+        ratio-1 layers there is no decoder half.
+        """
+        n = self.num_hidden_layers
+        if 1 not in self.compress_ratios:
+            return n
+        return max(self.kv_source_layer_ids)
 
     def layer_plans(self) -> tuple[LayerPlan, ...]:
         """The per-layer plan of the backbone, derived from the config."""
@@ -269,8 +327,6 @@ class TextConfig:
                     if i in ix
                     else AttentionMode.REUSE
                 )
-                if ix_src is None or ix_src < kv_src:
-                    raise ConfigError(f"layer {i} reuses picks from outside its KV group")
             plans.append(
                 LayerPlan(
                     index=i,

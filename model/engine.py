@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import mhc
-from .attention import candidate_entries
+from .attention import candidate_entries, top_k
 from .cache import SequenceCache
 from .config import AttentionMode
 from .engram import NgramContext, NgramHasher
@@ -52,24 +52,32 @@ class DecoderInput:
 
     ``positions`` [n] absolute, ``streams`` [n, hc, D] and ``pre`` [n, hc] are the
     encoder's output (the mHC streams after the last encoder layer and the mix its
-    last site chose), ``token_ids`` [n] the tokens (for Engram layers in the decoder).
+    last site chose), ``token_ids`` [n] the tokens; ``engram_ids`` [n, layers, cols]
+    their Engram row ids (hashed with their true look-back, which a replay of the
+    tail alone could not see), for Engram layers in the decoder half; ``None`` when
+    the model has no Engram layers.
     """
 
     positions: torch.Tensor
     streams: torch.Tensor
     pre: torch.Tensor
     token_ids: torch.Tensor
+    engram_ids: torch.Tensor | None = None
 
     def tail(self, n: int) -> "DecoderInput":
-        return DecoderInput(self.positions[-n:], self.streams[-n:], self.pre[-n:], self.token_ids[-n:])
+        return DecoderInput(*(None if t is None else t[-n:] for t in self._fields()))
 
     def then(self, later: "DecoderInput") -> "DecoderInput":
         """These tokens followed by ``later`` ones (e.g. a restored tail, then a new turn)."""
         if int(self.positions[-1]) + 1 != int(later.positions[0]):
             raise ValueError("decoder inputs are not contiguous")
-        return DecoderInput(*(torch.cat((a, b)) for a, b in (
-            (self.positions, later.positions), (self.streams, later.streams),
-            (self.pre, later.pre), (self.token_ids, later.token_ids))))
+        if (self.engram_ids is None) != (later.engram_ids is None):
+            raise ValueError("decoder inputs disagree on Engram row ids")
+        return DecoderInput(*(None if a is None else torch.cat((a, b))
+                              for a, b in zip(self._fields(), later._fields())))
+
+    def _fields(self) -> tuple:
+        return self.positions, self.streams, self.pre, self.token_ids, self.engram_ids
 
 
 @dataclass
@@ -133,9 +141,8 @@ class Engine:
         self.decoder_start = self.config.decoder_start
         self.window = self.config.sliding_window
         self._ratios = {plan.index: plan.compress_ratio for plan in self.config.layer_plans()}
-        if any(getattr(b, "engram", None) is not None for b in model.layers[self.decoder_start :]):
-            # The decoder replays tokens it did not embed; V4.1's Engram layers (1, 14) are encoder layers.
-            raise ValueError("Engram layers in the decoder half are not supported by the engine")
+        # Engram layers the decoder's replay runs: their rows come from the inputs' row ids.
+        self._decoder_engram = tuple(i for i in self.config.engram_layer_ids if i >= self.decoder_start)
 
     def new_cache(self) -> SequenceCache:
         device = self.model.embed.weight.device
@@ -178,7 +185,8 @@ class Engine:
             self._project_decoder_memory(segment, streams, pre, chunk_rows)
             cache.length = start + hi
             outputs.append((streams, pre))
-        return DecoderInput(positions, torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), ids)
+        return DecoderInput(positions, torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), ids,
+                            None if hash_ids is None else hash_ids[0])
 
     @torch.no_grad()
     def replay(self, cache: SequenceCache, inputs: DecoderInput, exact: bool | None = None,
@@ -200,7 +208,8 @@ class Engine:
                 cache.windows[i] = None
         segments = [_Segment(cache, inputs.positions, 0, len(inputs.positions))]
         layers = range(self.decoder_start, self.config.num_hidden_layers)
-        streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, {}, tap)
+        rows = self._table_rows(inputs.engram_ids[None], self._decoder_engram) if self._decoder_engram else {}
+        streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, rows, tap)
         return self.model.head(streams[-1:], pre[-1:])[0]
 
     @torch.no_grad()
@@ -282,11 +291,11 @@ class Engine:
         device = self.model.embed.weight.device
         ids = torch.tensor(token_ids[start:], dtype=torch.long, device=device)
         positions = torch.arange(start, cache.length, device=device)
-        rows = self._lookback_rows(cache, token_ids, start)
+        hash_ids = self._lookback_ids(token_ids, start)
         streams, pre = self.model.embed_streams(ids[None])
         segments = [_Segment(cache, positions, 0, len(ids))]
-        streams, pre = self._run(segments, streams[0], pre[0], range(self.decoder_start), rows)
-        return DecoderInput(positions, streams, pre, ids)
+        streams, pre = self._run(segments, streams[0], pre[0], range(self.decoder_start), self._table_rows(hash_ids))
+        return DecoderInput(positions, streams, pre, ids, None if hash_ids is None else hash_ids[0])
 
     # ------------------------------------------------------------------ layers
     def _run(self, segments: list[_Segment], streams, pre, layers: range, rows, tap: Tap | None = None):
@@ -424,9 +433,9 @@ class Engine:
                 if plan.is_candidate_source:
                     pools.append(candidate_entries(scores, n_visible[lo:hi], config.candidate_topk_blocks,
                                                    config.candidate_block_size))
-            top = scores.topk(min(k, scores.shape[-1]), dim=-1)
-            indices.append(top.indices if pool is None else pool.gather(-1, top.indices))
-            valid.append(top.values > float("-inf"))
+            top, values = top_k(scores, k)
+            indices.append(top if pool is None else pool.gather(-1, top))
+            valid.append(values > float("-inf"))
         if pools:
             picks["candidates"] = tuple(torch.cat(parts) for parts in zip(*pools))
         return torch.cat(indices), torch.cat(valid)
@@ -439,17 +448,18 @@ class Engine:
         hash_ids, cache.ngram = self.hasher.hash_ids(ids[None], cache.ngram)
         return hash_ids
 
-    def _table_rows(self, hash_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
-        """Rows [n, cols, hd] per Engram layer from the model's in-process tables."""
+    def _table_rows(self, hash_ids: torch.Tensor | None, layers: tuple[int, ...] | None = None) -> dict[int, torch.Tensor]:
+        """Rows [n, cols, hd] per Engram layer (``layers``, default all) from the model's
+        in-process tables, for row ids [1, n, layers, cols]."""
         if hash_ids is None:
             return {}
-        return {layer: rows[0] for layer, rows in self.model.engram_rows(hash_ids).items()}
+        return {layer: rows[0] for layer, rows in self.model.engram_rows(hash_ids, layers).items()}
 
-    def _lookback_rows(self, cache: SequenceCache, token_ids: list[int], start: int) -> dict[int, torch.Tensor]:
-        """Rows for tokens ``start..`` of a sequence, with their true n-gram look-back."""
+    def _lookback_ids(self, token_ids: list[int], start: int) -> torch.Tensor | None:
+        """Engram row ids [1, n, layers, cols] of tokens ``start..``, with their true n-gram look-back."""
         if self.hasher is None:
-            return {}
+            return None
         back = max(0, start - (self.hasher.max_ngram_size - 1))
         ids = torch.tensor(token_ids[back:], dtype=torch.long, device=self.model.embed.weight.device)
         hash_ids, _ = self.hasher.hash_ids(ids[None])
-        return {layer: rows[0, start - back :] for layer, rows in self.model.engram_rows(hash_ids).items()}
+        return hash_ids[:, start - back :]

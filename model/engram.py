@@ -496,27 +496,29 @@ class NgramHasher:
 
 
 class EngramEmbedding(nn.Module):
-    """One Engram table: ``weight [rows, head_dim]`` and ``scale [rows, head_dim / 32]``.
+    """One Engram table: ``weight [rows, head_dim]`` and ``scale [rows, head_dim // 32]``.
 
     When the weight is stored as ``float8_e4m3fn`` a looked-up row is dequantised by
     its per-32-channel power-of-two scales; in a float dtype the weight holds the
-    dequantised values already and the scales are unused.
+    dequantised values already and the scales are unused. The scale has
+    ``head_dim // 32`` columns whatever the width, as the release sizes it: none for a
+    table narrower than 32 (such a table is only ever stored in a float dtype).
     """
 
     def __init__(self, num_embeddings: int, head_dim: int, device=None, dtype=None):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.head_dim = head_dim
-        self.block = min(SCALE_BLOCK, head_dim)
-        if head_dim % self.block:
-            raise ValueError(f"engram_head_dim {head_dim} is not a multiple of {SCALE_BLOCK}")
+        self.block = SCALE_BLOCK
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(num_embeddings, head_dim, **factory))
-        self.scale = nn.Parameter(torch.ones(num_embeddings, head_dim // self.block, **factory))
+        self.scale = nn.Parameter(torch.ones(num_embeddings, head_dim // SCALE_BLOCK, **factory))
 
     def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(row_ids, self.weight)
         if self.weight.dtype == torch.float8_e4m3fn:
+            if self.head_dim % self.block:
+                raise ValueError(f"an FP8 Engram table needs a multiple of {self.block} channels, not {self.head_dim}")
             scales = F.embedding(row_ids, self.scale).float()
             rows = (rows.float().unflatten(-1, (-1, self.block)) * scales.unsqueeze(-1)).flatten(-2)
         return rows

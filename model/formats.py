@@ -173,11 +173,20 @@ class BlockFormat:
         if self.block <= 0 or self.block % 2:
             raise ValueError(f"block must be a positive even number, got {self.block}")
 
+    def payload_bytes(self, n_values: int) -> int:
+        """Bytes of one vector's codes (its scales follow them)."""
+        self._check_length(n_values)
+        return n_values if self.element == "e4m3" else n_values // 2
+
     def nbytes(self, n_values: int) -> int:
         """Bytes of one vector of ``n_values``: payload + one byte per block."""
-        self._check_length(n_values)
-        payload = n_values if self.element == "e4m3" else n_values // 2
-        return payload + n_values // self.block
+        return self.payload_bytes(n_values) + n_values // self.block
+
+    def for_width(self, n_values: int) -> "BlockFormat | RawFormat":
+        """The format a cache stores vectors of ``n_values`` in: this one, or float32 when
+        the width is not a multiple of the block (the reference leaves such vectors
+        unquantised; only small test configs have them)."""
+        return self if n_values % self.block == 0 else RAW_F32
 
     def block_scales(self, x: torch.Tensor) -> torch.Tensor:
         """float32 scales ``[..., n/block]`` of ``x`` ``[..., n]`` (the rule in the module doc)."""
@@ -225,6 +234,36 @@ class BlockFormat:
             raise ValueError(f"{n_values} values are not a multiple of the block size {self.block} ({self})")
 
 
+@dataclass(frozen=True)
+class RawFormat:
+    """Vectors kept as their float32 bytes, with :class:`BlockFormat`'s interface (no scales)."""
+
+    element: str = "f32"
+    block: int = 1
+    scale: str = "none"
+
+    def payload_bytes(self, n_values: int) -> int:
+        return 4 * n_values
+
+    def nbytes(self, n_values: int) -> int:
+        return 4 * n_values
+
+    def quantize(self, x: torch.Tensor) -> Packed:
+        data = x.to(torch.float32).contiguous().view(torch.uint8)
+        return Packed(data=data, scales=data.new_empty(*data.shape[:-1], 0))
+
+    def dequantize(self, packed: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        data = packed.data.contiguous()
+        if data.storage_offset() % 4:  # a float32 view needs aligned bytes
+            data = data.clone()
+        return data.view(torch.float32).to(dtype)
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+RAW_F32 = RawFormat()
+"""Cache vectors a block format cannot block (widths that are not a multiple of its block)."""
 WINDOW_KV = BlockFormat("e4m3", 32, "ue8m0")
 """Sliding-window KV of every layer (whole post-RoPE vector, RoPE tail included)."""
 COMPRESSED_KV = BlockFormat("e2m1", 16, "e4m3")

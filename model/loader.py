@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,25 +67,38 @@ def _module_name(name: str) -> str:
     return "lm_head" + name[len("head") :] if name.startswith("head.") else name
 
 
-def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, target_shape: torch.Size) -> torch.Tensor:
+def weight_block(config: ModelConfig) -> tuple[int, int]:
+    """The tile of the dense FP8 weights' scales: ``quantization_config.weight_block_size``."""
+    block = (config.quantization or {}).get("weight_block_size", _BLOCK)
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return tuple(block)
+
+
+def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, target_shape: torch.Size,
+                block: tuple[int, int] = _BLOCK) -> torch.Tensor:
     """Float32 values of a quantised checkpoint tensor (layouts in the module doc)."""
     if weight.dtype == torch.float8_e4m3fn and weight.ndim == 2:
         if name.endswith(".engram.embed.weight"):
+            if weight.shape[-1] % formats.ENGRAM_ROW.block:
+                raise CheckpointError(f"{name}: FP8 Engram rows need a multiple of {formats.ENGRAM_ROW.block} channels")
             packed = formats.Packed(weight.view(torch.uint8), scale.view(torch.uint8))
             return formats.ENGRAM_ROW.dequantize(packed)
-        return formats.dequantize_fp8_weight(weight, scale, _BLOCK)
+        return formats.dequantize_fp8_weight(weight, scale, block)
     if weight.dtype in (torch.int8, torch.uint8) and weight.shape[-1] * 2 == target_shape[-1]:
         return formats.dequantize_fp4_weight(weight, scale, block=32)
     raise CheckpointError(f"{name}: unsupported quantised storage {weight.dtype} {tuple(weight.shape)}")
 
 
-def load_state(directory: Path, modules: list[torch.nn.Module]) -> None:
+def load_state(directory: Path, modules: list[torch.nn.Module],
+               block: tuple[int, int] = _BLOCK) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Copy a checkpoint's tensors into ``modules`` (dequantising), strictly.
 
     The modules' parameter names must not collide (the backbone owns ``layers.``,
     ``embed.``, ``norm.``, ``lm_head.``; the drafter ``mtp.``; the vision tower
     ``vision.``, ``aligner.``, ``image_*``). Every parameter must be present, every
-    tensor used, every shape equal.
+    tensor used, every shape equal. Returns the stored bytes of every quantised
+    parameter, ``{parameter name: (data, scale)}``, as read.
     """
     params: dict[str, torch.Tensor] = {}
     for module in modules:
@@ -108,7 +121,9 @@ def load_state(directory: Path, modules: list[torch.nn.Module]) -> None:
     for name, tensor in quantised.items():
         if name not in pending_scales:
             raise CheckpointError(f"{name}: quantised tensor without its scale")
-        _copy(params[name], _dequantize(name, tensor, pending_scales.pop(name), params[name].shape), name)
+        scale = pending_scales.pop(name)
+        _copy(params[name], _dequantize(name, tensor, scale, params[name].shape, block), name)
+        quantised[name] = (tensor, scale)
         loaded.add(name)
         scale_param = name[: -len(".weight")] + ".scale"
         if scale_param in params:  # Engram rows are held dequantised: their scales are 1
@@ -124,6 +139,7 @@ def load_state(directory: Path, modules: list[torch.nn.Module]) -> None:
     missing = sorted(set(params) - loaded)
     if missing:
         raise CheckpointError(f"{len(missing)} parameters missing from {directory}, e.g. {missing[:3]}")
+    return quantised
 
 
 def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -136,12 +152,21 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: the backbone, and the drafter and vision tower when the
-    config has them (fp32, eval mode)."""
+    checkpoint has them (fp32, eval mode).
+
+    ``stored`` (when loaded with ``keep_stored``) holds the quantised bytes of each
+    quantised parameter as read, ``{name: (data, scale)}``: :func:`save_checkpoint`
+    writes them back unchanged while the parameter still equals their values. A
+    quantised tensor cannot be re-derived from its values alone (a tile whose largest
+    code is 224 reads the same at scale ``s`` as 448 at ``s / 2``), so without them
+    a re-saved checkpoint holds the same values in other bytes.
+    """
 
     config: ModelConfig
     backbone: Transformer
     drafter: torch.nn.Module | None = None
     vision: torch.nn.Module | None = None
+    stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
 
 def build_modules(config: ModelConfig, device: str | torch.device = "cpu") -> Checkpoint:
@@ -156,20 +181,43 @@ def build_modules(config: ModelConfig, device: str | torch.device = "cpu") -> Ch
     return Checkpoint(config, backbone, drafter, vision)
 
 
-def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
-    """Build every part of the checkpoint from ``config.json`` and load its weights."""
+# Tensor-name prefixes of the optional parts (after ``model.``): a checkpoint holds all of
+# a part's tensors or none (the Hugging Face reference saves neither the drafter nor the
+# vision tower, whatever its config says).
+_PART_PREFIXES = {"drafter": ("mtp.",), "vision": ("vision.", "aligner.", "image_")}
+
+
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", keep_stored: bool = False) -> Checkpoint:
+    """Build every part of the checkpoint from ``config.json`` and load its weights.
+
+    The drafter and the vision tower are loaded when the checkpoint has their tensors
+    (a checkpoint with none of a part's tensors loads without that part). With
+    ``keep_stored`` the quantised bytes are kept for an exact re-save.
+    """
     directory = Path(directory)
     config = ModelConfig.load(directory)
     meta = build_modules(config, "meta")
+    names = [_module_name(name) for name in tensor_names(directory)]
+    present = {part: any(n.startswith(prefixes) for n in names) for part, prefixes in _PART_PREFIXES.items()}
     parts = {
         name: module.to_empty(device="cpu")
         for name, module in (("backbone", meta.backbone), ("drafter", meta.drafter), ("vision", meta.vision))
-        if module is not None
+        if module is not None and present.get(name, True)
     }
     for module in parts.values():  # rotary tables are buffers no checkpoint stores
         module.apply(_rebuild_rotary)
-    load_state(directory, list(parts.values()))
-    return Checkpoint(config, **{name: module.to(device).eval() for name, module in parts.items()})
+    stored = load_state(directory, list(parts.values()), weight_block(config))
+    return Checkpoint(config, **{name: module.to(device).eval() for name, module in parts.items()},
+                      stored=stored if keep_stored else {})
+
+
+def tensor_names(directory: Path) -> list[str]:
+    """The released names of a checkpoint's tensors (headers only)."""
+    names = []
+    for path in checkpoint_files(directory):
+        with safe_open(path, framework="pt") as handle:
+            names.extend(handle.keys())
+    return names
 
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
@@ -194,28 +242,46 @@ def save_checkpoint(directory: str | Path, checkpoint: Checkpoint, quantize: boo
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    block = weight_block(checkpoint.config)
     tensors: dict[str, torch.Tensor] = {}
     modules = [m for m in (checkpoint.backbone, checkpoint.drafter, checkpoint.vision) if m is not None]
     for module in modules:
-        for name, param in module.named_parameters():
+        params = dict(module.named_parameters())
+        for name, param in params.items():
             full = "head" + name[len("lm_head") :] if name.startswith("lm_head.") else name
             tensor = param.detach().to("cpu", torch.float32).contiguous()
             if quantize and name.endswith(".engram.embed.scale"):
-                continue  # replaced by the quantised rows' own scales
+                rows = name[: -len(".scale")] + ".weight"
+                if _is_quantised(rows, params[rows]):
+                    continue  # replaced by the quantised rows' own scales
             if quantize and _is_quantised(name, tensor):
                 stem = full[: -len(".weight")]
-                if ".embed." in name:
-                    packed = formats.ENGRAM_ROW.quantize(tensor)
-                    data, scale = packed.data.view(torch.float8_e4m3fn), packed.scales.view(torch.float8_e8m0fnu)
-                elif ".experts." in name and ".shared_experts." not in name:
-                    data, scale = formats.quantize_fp4_weight(tensor)
-                else:
-                    data, scale = formats.quantize_fp8_weight(tensor, _BLOCK)
+                data, scale = _stored_bytes(name, tensor, checkpoint.stored.get(name), block) or _quantise(name, tensor, block)
                 tensors[full], tensors[stem + ".scale"] = data.contiguous(), scale.contiguous()
             else:
                 tensors[full] = tensor
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config_to_dict(checkpoint.config), indent=2) + "\n")
+
+
+def _quantise(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, scale) of a parameter in its released storage (layouts in the module doc)."""
+    if ".embed." in name:
+        packed = formats.ENGRAM_ROW.quantize(tensor)
+        return packed.data.view(torch.float8_e4m3fn), packed.scales.view(torch.float8_e8m0fnu)
+    if ".experts." in name and ".shared_experts." not in name:
+        return formats.quantize_fp4_weight(tensor)
+    return formats.quantize_fp8_weight(tensor, block)
+
+
+def _stored_bytes(name: str, tensor: torch.Tensor, stored, block: tuple[int, int]):
+    """The bytes a parameter was loaded from, while it still holds exactly their values."""
+    if stored is None:
+        return None
+    data, scale = stored
+    if not torch.equal(_dequantize(name, data, scale, tensor.shape, block), tensor):
+        return None
+    return data, scale
 
 
 def _is_quantised(name: str, tensor: torch.Tensor) -> bool:

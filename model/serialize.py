@@ -73,9 +73,10 @@ def layout_fingerprint(config: TextConfig) -> bytes:
     """A digest of every choice that decides the cache bytes: formats, widths, sources."""
     sources = [(p.index, p.compress_ratio) for p in config.layer_plans() if p.is_kv_source]
     description = {
-        "window": [WINDOW_KV.element, WINDOW_KV.block, WINDOW_KV.scale],
-        "entries": [COMPRESSED_KV.element, COMPRESSED_KV.block, COMPRESSED_KV.scale],
-        "keys": [INDEXER_KEY.element, INDEXER_KEY.block, INDEXER_KEY.scale],
+        **{name: [f.element, f.block, f.scale] for name, f in (
+            ("window", WINDOW_KV.for_width(config.head_dim)),
+            ("entries", COMPRESSED_KV.for_width(config.head_dim)),
+            ("keys", INDEXER_KEY.for_width(config.index_head_dim)))},
         "head_dim": config.head_dim,
         "index_head_dim": config.index_head_dim,
         "hidden_size": config.hidden_size,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import formats, mhc
-from .attention import CSA2Attention, Indexer, candidate_blocks, visible_entries
+from .attention import CSA2Attention, Indexer, candidate_blocks, top_k, visible_entries
 from .config import AttentionMode
 from .formats import COMPRESSED_KV, ENGRAM_ROW, INDEXER_KEY, WINDOW_KV
 from .rope import apply_rotary
@@ -235,8 +235,8 @@ def _attention(model: Transformer, attn: CSA2Attention, x, positions, memory: di
                 )
             elif plan.candidate_source is not None:
                 picking = picking.masked_fill(~memory["candidates"], float("-inf"))
-            top = picking.topk(min(config.index_topk, picking.shape[-1]), dim=-1)
-            memory[("picks", plan.index)] = (top.indices, top.values > float("-inf"))
+            top, values = top_k(picking, config.index_topk)
+            memory[("picks", plan.index)] = (top, values > float("-inf"))
         kl = indexer_kl(scores, attention_target(attn, q.detach(), entries.detach(), visible), visible)
     index, valid = memory[("picks", plan.index_source)]
     batch = torch.arange(entries.shape[0], device=x.device).view(-1, 1, 1)

@@ -159,9 +159,11 @@ class Transformer(nn.Module):
             streams, pre = self.block_forward(block, streams, pre, positions, memory, rows, image_mask)
         return self.head(streams, pre)
 
-    def engram_rows(self, engram_ids: torch.Tensor | None) -> dict[int, torch.Tensor]:
-        """Rows [B, S, cols, head_dim] per Engram layer, fetched from the in-process tables."""
-        blocks = [b for b in self.layers if getattr(b, "engram", None) is not None]
+    def engram_rows(self, engram_ids: torch.Tensor | None, layers: tuple[int, ...] | None = None) -> dict[int, torch.Tensor]:
+        """Rows [B, S, cols, head_dim] per Engram layer (of ``layers``, default all), fetched
+        from the in-process tables."""
+        blocks = [b for b in self.layers if getattr(b, "engram", None) is not None
+                  and (layers is None or b.plan.index in layers)]
         if blocks and engram_ids is None:
             raise ValueError("this model has Engram layers: pass engram_ids from the NgramHasher")
         return {b.plan.index: b.engram.lookup(engram_ids[:, :, b.engram_table]) for b in blocks}
