@@ -96,12 +96,14 @@ def run(args: argparse.Namespace) -> int:
     summary = {}
     print(f"bounded replay drift against the exact path: {args.checkpoint}, {len(prompts)} prompts, "
           f"{args.tokens} greedy tokens")
-    print(f"{'replay':>8}  {'max |dlogit|':>12}  {'KL':>9}  {'agreement':>9}  {'common prefix':>13}")
+    print(f"{'replay':>8}  {'max |dlogit|':>12}  {'KL':>9}  {'agreement':>9}  {'common prefix':>13}  per prompt (prefix)")
     for name, results in rows.items():
         mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         worst = max(r["max_logit_diff"] for r in results)
-        summary[name] = {**mean, "max_logit_diff_worst": worst}
-        print(f"{name:>8}  {worst:>12.4f}  {mean['kl']:>9.2e}  {mean['agreement']:>9.1%}  {mean['common_prefix']:>13.1f}")
+        summary[name] = {**mean, "max_logit_diff_worst": worst, "per_prompt": results}
+        prefixes = " ".join(str(r["common_prefix"]) for r in results)
+        print(f"{name:>8}  {worst:>12.4f}  {mean['kl']:>9.2e}  {mean['agreement']:>9.1%}  {mean['common_prefix']:>13.1f}"
+              f"  {prefixes}")
     if args.json:
         print(json.dumps(summary))
     return 0

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = args.out or args.checkpoint
     try:
-        checkpoint = load_checkpoint(args.checkpoint)
+        checkpoint = load_checkpoint(args.checkpoint, keep_stored=True)  # the frozen backbone re-saves byte for byte
         tokenizer = load_tokenizer(args.checkpoint)
         hasher = load_hasher(args.checkpoint, checkpoint.config)
     except (CheckpointError, ConfigError, OSError) as error:
