@@ -104,6 +104,16 @@ def _check(seed: int, tokenizer, tmp_path) -> None:
     _close(_run_exact(one_shot, prompt, forced)[0], logits, config)
     _close(_run_exact(one_shot, prompt, forced, split=PROMPT // 2 + 1)[0], logits, config)
 
+    # A batched decode step = each sequence's step alone (different lengths and positions).
+    other = _tokens(seed + 2000, PROMPT // 2)
+    caches = [one_shot.new_cache() for _ in range(4)]
+    for c, p in zip(caches, (prompt, other, prompt, other)):
+        one_shot.replay(c, one_shot.prefill(c, p))
+    together = one_shot.decode([(caches[0], forced[:1]), (caches[1], forced[1:3])])
+    alone = [one_shot.decode([(caches[2], forced[:1])])[0], one_shot.decode([(caches[3], forced[1:3])])[0]]
+    for a, b in zip(together, alone):
+        _close(a, b, config)
+
     # Speculative verify + accept of k tokens = k plain decode steps.
     for keep in (1, 3):
         plain = one_shot.new_cache()
