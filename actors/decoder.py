@@ -12,25 +12,35 @@ tokens went out, so serialising a conversation never delays its last token.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
+from collections.abc import Callable
 
 from model.batcher import Batcher, Speculation, TokenEvent
 from model.cache import SequenceCache
 from model.chat import Tokenizer
 from model.engine import DecoderInput, Engine
 from model.sampling import SamplingParams
-from model.serialize import chunk_to_bytes, load_window, window_to_bytes
+from model.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
 
-from .prefill import StoreLike
+from .prefill import StoreLike, read_through
 from .state import Handoff, StateNaming
+
+
+class PrefixUnavailable(RuntimeError):
+    """The stored prefix a handoff names is in neither this node's store nor the one
+    that served it to the prefill (evicted in between)."""
 
 
 class DecoderService:
     """One decoder replica's batch, and its writes to the store."""
 
     def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming, tokenizer: Tokenizer | None = None,
-                 eos_token_ids: tuple[int, ...] = (), max_batch: int = 32, speculation: Speculation | None = None):
-        self.engine, self.store, self.naming = engine, store, naming
+                 eos_token_ids: tuple[int, ...] = (), max_batch: int = 32, speculation: Speculation | None = None,
+                 peers: Callable[[str], StoreLike | None] | None = None):
+        """``peers(node_id)``: another node's store (None if it has none), for a prefix
+        this node does not hold."""
+        self.engine, self.store, self.naming, self.peers = engine, store, naming, peers
         self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._finished,
                                speculation=speculation)
         self._requests: dict[str, Handoff] = {}
@@ -41,7 +51,7 @@ class DecoderService:
         """Load a handoff, replay the decoder half, and return the first token."""
         cache = handoff.cache
         if cache is None:
-            cache = self.engine.new_cache()
+            cache = self._load_prefix(handoff)
             load_window(cache, handoff.state, self.naming.identity)
         inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids,
                               handoff.replay_engram_ids)
@@ -53,6 +63,20 @@ class DecoderService:
             self.last_admit_s = time.perf_counter() - start
             if request_id not in self.batcher.running:
                 self._requests.pop(request_id, None)
+
+    def _load_prefix(self, handoff: Handoff) -> SequenceCache:
+        """A cache holding the stored chunks the handoff names: from this node's store,
+        else from the node that served them (and kept here for the next turn)."""
+        cache = self.engine.new_cache()
+        keys = list(handoff.chunk_keys[: handoff.stored_chunks])
+        if not keys:
+            return cache
+        blobs = read_through(self.store, self.peers, keys, [handoff.prefix_node])
+        loaded = load_chunks(cache, itertools.takewhile(bool, blobs), self.naming.identity)
+        if loaded < len(keys):
+            raise PrefixUnavailable(f"{len(keys) - loaded} of the {len(keys)} stored chunks of the prompt are gone "
+                                    f"from this node's store and node {handoff.prefix_node}'s")
+        return cache
 
     def step(self) -> list[TokenEvent]:
         """One batch step: one token per request, or several with speculation."""
@@ -88,7 +112,8 @@ class DecoderService:
             raise RuntimeError(f"cache holds {cache.length} tokens, the conversation {len(tokens)}")
         size = self.naming.chunk_tokens
         whole = cache.length // size
-        keys = self.naming.chunks(tokens)
+        keys = self.naming.chunks(tokens, known=handoff.chunk_keys)
         for index in range(handoff.stored_chunks, whole):
             self.store.put(keys[index], chunk_to_bytes(cache, index * size, size, self.naming.identity))
-        self.store.put(self.naming.window(tokens), window_to_bytes(cache, whole * size, self.naming.identity))
+        window = self.naming.window(tokens, known=tuple(keys))
+        self.store.put(window, window_to_bytes(cache, whole * size, self.naming.identity))

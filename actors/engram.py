@@ -23,7 +23,6 @@ The actors are thin: :class:`~actors.engram_tables.EngramShard` reads,
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,11 +95,8 @@ class EngramShardActor:
     def __init__(self, plan: ShardPlan, shard: int, replica: int):
         self._shard = EngramShard(plan, shard)
         self._replica = replica
-        self._delay_s = 0.0
 
     def fetch(self, request: ShardRequest) -> ShardRows:
-        if self._delay_s:
-            time.sleep(self._delay_s)
         return self._shard.fetch(request)
 
     def placement(self) -> ShardPlacement:
@@ -112,10 +108,6 @@ class EngramShardActor:
             pid=os.getpid(),
             mapped_bytes=self._shard.plan.shard_bytes(self._shard.shard),
         )
-
-    def inject_delay(self, seconds: float) -> None:
-        """Fault drill: answer every later request ``seconds`` late (a restart clears it)."""
-        self._delay_s = float(seconds)
 
 
 class RayTransport(ShardTransport):

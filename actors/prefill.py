@@ -7,8 +7,8 @@ For a request it (1) reads the stored chunks of the prompt's cached prefix from 
 node's store, (2) looks for the window state of the conversation's previous turn
 (host RAM, minutes): with it the windows are exact; without it the encoder reruns
 the last window of cached tokens (Encoder SWA Bounded Replay), (3) encodes the new
-tokens, and (4) returns a :class:`Handoff` with the serialized cache and the
-decoder input.
+tokens, and (4) returns a :class:`Handoff`: the names of the stored chunks it loaded,
+the rest of the cache serialized, and the decoder input.
 """
 
 from __future__ import annotations
@@ -35,11 +35,34 @@ class StoreLike(Protocol):
     def put(self, key: ObjectKey, payload: bytes) -> None: ...
 
 
+def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | None, keys: list[ObjectKey],
+                 nodes: tuple[str | None, ...] | list[str | None]) -> list[bytes | None]:
+    """``store.get_many(keys)``, and what it misses from the stores of ``nodes`` in turn
+    (node to node; nothing passes through the caller's caller), kept in ``store`` for
+    the next turn. ``peers(node)`` gives a node's store, None if it has none."""
+    blobs = store.get_many(keys) if keys else []
+    missing = [i for i, blob in enumerate(blobs) if blob is None]
+    for node in nodes:
+        peer = peers(node) if missing and peers is not None and node else None
+        if peer is None:
+            continue
+        for i, blob in zip(missing, peer.get_many([keys[i] for i in missing])):
+            if blob is not None:
+                blobs[i] = blob
+                store.put(keys[i], blob)
+        missing = [i for i in missing if blobs[i] is None]
+    return blobs
+
+
 class PrefillService:
     """Turns cache plans into handoffs with one engine and one node store."""
 
-    def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming):
-        self.engine, self.store, self.naming = engine, store, naming
+    def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming, node_id: str | None = None,
+                 peers: Callable[[str], StoreLike | None] | None = None):
+        """``node_id``: the node whose store ``store`` is (named in handoffs, so that a
+        decoder elsewhere can read the prefix from it); ``peers(node_id)``: another
+        node's store, read for what the plan says is stored there and this node lacks."""
+        self.engine, self.store, self.naming, self.node_id, self.peers = engine, store, naming, node_id, peers
 
     def prefill(self, plan: CachePlan, engram_rows: Callable[[], dict[int, torch.Tensor]] | None = None,
                 in_process: bool = False) -> Handoff:
@@ -51,7 +74,8 @@ class PrefillService:
         if not tokens:
             raise ValueError("empty prompt")
         start = time.perf_counter()
-        cache, chunks_read, resumed = self._load_stored(tokens, plan)
+        keys = tuple(plan.chunk_keys) if plan.chunk_keys is not None else tuple(self.naming.chunks(tokens))
+        cache, chunks_read, resumed = self._load_stored(tokens, plan, keys)
         replay: DecoderInput | None = None
         if not resumed and cache.length:
             replay = self.engine.restore(cache, tokens[: cache.length])
@@ -61,9 +85,10 @@ class PrefillService:
             rows = lambda: {layer: r[cached:] for layer, r in engram_rows().items()}  # noqa: E731
         fresh = self.engine.prefill(cache, tokens[cached:], engram_rows=rows)
         inputs = replay.then(fresh) if replay is not None else fresh
+        chunked = chunks_read * self.naming.chunk_tokens
         return Handoff(
             token_ids=tuple(tokens),
-            state=b"" if in_process else window_to_bytes(cache, 0, self.naming.identity),
+            state=b"" if in_process else window_to_bytes(cache, chunked, self.naming.identity),
             cache=cache if in_process else None,
             positions=inputs.positions,
             streams=inputs.streams,
@@ -72,34 +97,39 @@ class PrefillService:
             replay_engram_ids=inputs.engram_ids,
             cached_tokens=cached,
             stored_chunks=chunks_read,
+            chunk_keys=keys,
+            prefix_node=self.node_id,
             prefill_s=time.perf_counter() - start,
         )
 
-    def _load_stored(self, tokens: list[int], plan: CachePlan):
+    def _load_stored(self, tokens: list[int], plan: CachePlan, chunk_keys: tuple[ObjectKey, ...]):
         """The longest run of stored chunks that verifies (a bad chunk ends the run),
         then the window state after them if the store has it. One store call when the
         chunks are good; none when the plan says nothing is stored."""
         cache = self.engine.new_cache()
         # Keep one token out of the chunks: the prompt's last token must be encoded.
         usable = min(plan.cached_chunks, (len(tokens) - 1) // self.naming.chunk_tokens)
-        keys = self.naming.chunks(tokens)[:usable]
+        keys = list(chunk_keys[:usable])
         # The router asked the index for the windows after exactly these chunks.
-        windows = list(plan.windows) if plan.windows is not None else self._window_candidates(tokens, usable)
-        blobs = self.store.get_many(keys + [key for _, key in windows]) if keys or windows else []
+        windows = (list(plan.windows) if plan.windows is not None
+                   else self._window_candidates(tokens, usable, chunk_keys))
+        others = [node for node in plan.nodes if node != self.node_id]
+        blobs = read_through(self.store, self.peers, keys + [key for _, key in windows], others)
         present = itertools.takewhile(lambda blob: blob is not None, blobs[: len(keys)])
         loaded = load_chunks(cache, present, self.naming.identity)  # up to a missing or bad chunk
         if loaded and self.engine.hasher is not None:
             # The n-gram context of the loaded prefix (the window state would carry it).
             _, cache.ngram = self.engine.hasher.hash_ids(torch.tensor([tokens[: cache.length]]))
         if loaded < usable:  # a chunk was missing or bad: the windows after it instead
-            windows = self._window_candidates(tokens, loaded)
-            blobs = [None] * len(keys) + (self.store.get_many([key for _, key in windows]) if windows else [])
+            windows = self._window_candidates(tokens, loaded, chunk_keys)
+            blobs = [None] * len(keys) + read_through(self.store, self.peers, [key for _, key in windows], others)
         return cache, loaded, self._load_window(cache, windows, blobs[len(keys):])
 
-    def _window_candidates(self, tokens: list[int], chunks: int) -> list[tuple[int, ObjectKey]]:
+    def _window_candidates(self, tokens: list[int], chunks: int,
+                           chunk_keys: tuple[ObjectKey, ...]) -> list[tuple[int, ObjectKey]]:
         """Every window state the prompt could resume from after ``chunks`` chunks
         (leaving its last token to encode)."""
-        return self.naming.window_candidates(tokens[:-1], chunks * self.naming.chunk_tokens)
+        return self.naming.window_candidates(tokens[:-1], chunks * self.naming.chunk_tokens, chunk_keys[:chunks])
 
     def _load_window(self, cache, candidates: list[tuple[int, ObjectKey]], blobs: list[bytes | None]) -> bool:
         """Resume from the previous turn's window state when this node still has it."""

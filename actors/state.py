@@ -32,18 +32,21 @@ class StateNaming:
             raise ValueError(f"chunk_tokens {chunk_tokens} must be a multiple of {chunk_granularity(config)}")
         return cls(Fingerprint(identity.model), identity, chunk_tokens)
 
-    def chunks(self, token_ids: list[int]) -> list[ObjectKey]:
-        return chunk_keys(self.fingerprint, token_ids, self.chunk_tokens)
+    def chunks(self, token_ids: list[int], known: tuple[ObjectKey, ...] = ()) -> list[ObjectKey]:
+        """Keys of the whole chunks of ``token_ids``; ``known`` are those of its first
+        chunks, already computed (the plan's): only the rest is hashed."""
+        return chunk_keys(self.fingerprint, token_ids, self.chunk_tokens, known=known)
 
-    def window(self, token_ids: list[int]) -> ObjectKey:
+    def window(self, token_ids: list[int], known: tuple[ObjectKey, ...] = ()) -> ObjectKey:
         """The name of the window state after all of ``token_ids``."""
-        return window_key(self.fingerprint, token_ids, self.chunk_tokens)
+        return window_key(self.fingerprint, token_ids, self.chunk_tokens, known=known)
 
-    def window_candidates(self, token_ids: list[int], chunked: int) -> list[tuple[int, ObjectKey]]:
+    def window_candidates(self, token_ids: list[int], chunked: int,
+                          known: tuple[ObjectKey, ...] = ()) -> list[tuple[int, ObjectKey]]:
         """(length, key) of every window state a prompt could resume from after its
         first ``chunked`` tokens (the conversation's previous turn ended somewhere in
         the next chunk), longest first."""
-        return window_keys_after(self.fingerprint, token_ids, self.chunk_tokens, chunked)
+        return window_keys_after(self.fingerprint, token_ids, self.chunk_tokens, chunked, known=known)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class CachePlan:
 
     ``cached_chunks`` leading chunks of ``token_ids`` are stored somewhere in the
     cluster; ``nodes`` are the nodes holding them, best first (RAM beats SSD).
+    ``chunk_keys`` names every whole chunk of the prompt, hashed once by the router.
     ``windows``: the window states after those chunks that the index knows of,
     ``(length, key)`` longest first; ``None`` when nobody asked the index (the
     prefill then probes every candidate in its store).
@@ -61,18 +65,24 @@ class CachePlan:
     cached_chunks: int
     nodes: tuple[str, ...] = ()
     windows: tuple[tuple[int, ObjectKey], ...] | None = None
+    chunk_keys: tuple[ObjectKey, ...] | None = None  # every whole chunk of the prompt (None: not computed)
 
 
 @dataclass
 class Handoff:
     """A prefilled request, from a prefill replica to a decoder replica.
 
-    ``state`` is the whole sequence cache serialized (a window-state object over
-    zero chunks: every long-range row, window, pending row and the n-gram context);
-    the tensors are the decoder input of the tokens the decoder must replay. A
-    handoff that never leaves the process it was made in (the decoder encoding a
-    short prompt itself) carries the ``cache`` instead and an empty ``state``.
-    ``cached_tokens`` counts prompt tokens read from the store rather than encoded.
+    The cache travels in two parts. The prefix the prefill loaded from the store is
+    named, not carried: the first ``stored_chunks`` of ``chunk_keys`` (every whole
+    chunk of the prompt), which the decoder reads from its own node's store, or from
+    ``prefix_node``'s (the node that served them to the prefill). ``state`` is the
+    rest, serialized: a window-state object after those chunks (the long-range rows of
+    the new tokens, every window, the pending rows, the n-gram context), so its size
+    follows the new tokens, not the conversation. The tensors are the decoder input of
+    the tokens the decoder must replay. A handoff that never leaves the process it was
+    made in (the decoder encoding a short prompt itself) carries the ``cache`` instead
+    and an empty ``state``. ``cached_tokens`` counts prompt tokens read from the store
+    rather than encoded.
     """
 
     token_ids: tuple[int, ...]
@@ -85,6 +95,8 @@ class Handoff:
     stored_chunks: int
     prefill_s: float = 0.0  # time the prefill replica spent on it (the Serve-overhead bench)
     replay_engram_ids: torch.Tensor | None = None  # Engram row ids of the replayed tokens (DecoderInput.engram_ids)
+    chunk_keys: tuple[ObjectKey, ...] = ()
+    prefix_node: str | None = None
     # Wall-clock marks (time.time()) of the request's trip, set by the replicas it
     # crosses ("prefill_in", "prefill_out", ...): the router's Server-Timing header.
     timeline: dict[str, float] = field(default_factory=dict)

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from storage.keys import Fingerprint, ObjectKey
 from storage.policy import RetentionPolicy
-from storage.store import PrefixMatch, StoreConfig, TieredStore
+from storage.store import StoreConfig, TieredStore
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,6 @@ class StoreActor:
     def put(self, key: ObjectKey, payload: bytes) -> None:
         self.store.put(key, payload)
 
-    def lookup_prefix(self, keys: list[ObjectKey]) -> PrefixMatch:
-        return self.store.lookup_prefix(keys)
-
     def remove(self, key: ObjectKey) -> None:
         self.store.remove(key)
 
@@ -82,8 +79,14 @@ class RemoteStore:
     def put(self, key: ObjectKey, payload: bytes) -> None:
         self.handle.put.remote(key, payload)  # fire and forget: the store writes behind anyway
 
-    def lookup_prefix(self, keys: list[ObjectKey]) -> PrefixMatch:
-        return ray.get(self.handle.lookup_prefix.remote(keys))
+
+def peer_store(node_id: str, namespace: str = "v41") -> RemoteStore | None:
+    """The store actor of another node (None if that node has none): reading from it
+    moves the bytes node to node, through Ray's object transfer."""
+    try:
+        return RemoteStore(ray.get_actor(f"{namespace}-store-{node_id}", namespace=namespace))
+    except ValueError:
+        return None
 
 
 def node_store(settings: StoreSettings, fingerprint: bytes, namespace: str = "v41") -> RemoteStore:

@@ -191,6 +191,12 @@ class ModelBundle(ModelIdentity):
         return node_store(settings, self.naming.fingerprint.digest)
 
 
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def _prompt_gil_handoff() -> None:
     """A thread running Python holds the GIL until the interpreter's switch interval
     (5 ms by default) asks it to let go; a replica's event loop, which waits on
@@ -239,19 +245,17 @@ class PrefillPool:
 
     def __init__(self, config: AppConfig):
         from actors.prefill import PrefillService
-
+        from actors.store import peer_store
         from cluster.metrics import PrefillMetrics
 
         bundle = ModelBundle(config, drop_decoder=True)
-        self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming)
+        self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming, _node_id(), peer_store)
         self.executor = _one_thread_executor()
         self.metrics = PrefillMetrics()
 
     def node(self) -> str:
         """The Ray node this replica runs on (placement checks, tests)."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
+        return _node_id()
 
     async def prefill(self, plan, preferred_nodes: list[str] | None = None, engram=None):
         """``preferred_nodes`` is read by the request router (cache affinity)."""
@@ -268,15 +272,17 @@ class DecoderPool:
     def __init__(self, config: AppConfig):
         from actors.decoder import DecoderService
         from actors.prefill import PrefillService
+        from actors.store import peer_store
         from cluster.metrics import DecoderMetrics, PrefillMetrics
 
         bundle = ModelBundle(config)
         store = bundle.store(config)
         self.service = DecoderService(bundle.engine, store, bundle.naming, bundle.tokenizer,
-                                      bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config))
+                                      bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config),
+                                      peers=peer_store)
         # Short new prompts are encoded here (see Router._events): the same logic as a
         # prefill replica, on this replica's engine and store.
-        self.prefiller = PrefillService(bundle.engine, store, bundle.naming)
+        self.prefiller = PrefillService(bundle.engine, store, bundle.naming, _node_id(), peer_store)
         self.executor = _one_thread_executor()
         self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
         self.queues: dict[str, asyncio.Queue] = {}
@@ -360,9 +366,7 @@ class DecoderPool:
         return self.service.running
 
     def node(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
+        return _node_id()
 
 
 # A request's trip, mark to mark: (Server-Timing name, from, to).
@@ -471,24 +475,25 @@ class Router:
         from storage.policy import TierName
 
         keys = self.naming.chunks(tokens)
+        named = tuple(keys)
         if self.index is None:
-            return CachePlan(tuple(tokens), len(keys))  # one node: its store knows
+            return CachePlan(tuple(tokens), len(keys), chunk_keys=named)  # one node: its store knows
         size = self.naming.chunk_tokens
         usable = max(0, min(len(keys), (len(tokens) - 1) // size))  # the prefill encodes the last token
-        windows = self.naming.window_candidates(tokens[:-1], usable * size)
+        windows = self.naming.window_candidates(tokens[:-1], usable * size, named)
         now = time.time()
         located = self.index.locate(keys + [key for _, key in windows], now)
         if located is None:  # Redis away: nothing known, the prefill's store decides
-            return CachePlan(tuple(tokens), 0)
+            return CachePlan(tuple(tokens), 0, chunk_keys=named)
         found_windows = located[len(keys):]
         depth = 0
         while depth < len(keys) and located[depth]:
             depth += 1
         if depth < usable:  # a gap: the windows after the stored run instead
-            windows = self.naming.window_candidates(tokens[:-1], depth * size)
+            windows = self.naming.window_candidates(tokens[:-1], depth * size, named)
             found_windows = self.index.locate([key for _, key in windows], now)
             if found_windows is None:
-                return CachePlan(tuple(tokens), depth)
+                return CachePlan(tuple(tokens), depth, chunk_keys=named)
         known = tuple((window, locations) for window, locations in zip(windows, found_windows) if locations)
         best = [known[0][1]] if known else []
         if depth:
@@ -496,7 +501,7 @@ class Router:
         order = sorted((loc for locations in best for loc in locations),
                        key=lambda loc: (loc.tier is not TierName.RAM, loc.tier is not TierName.SSD))
         nodes = tuple(dict.fromkeys(loc.node_id for loc in order if loc.node_id != "*"))
-        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known))
+        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named)
 
     def _render(self, request: api.GenerationRequest) -> list[int]:
         if request.prompt is not None:

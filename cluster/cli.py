@@ -1,9 +1,10 @@
 """The `v41` command line: one entry point, one module per command.
 
 Each command lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int``; this file only wires them up, importing a command's module
-when that command runs so that `v41 --help` stays fast. A user mistake raises
-``UserError``: it prints as one line and exits 2, never as a traceback.
+``run(args) -> int``; this file only wires them up. Only the module of the command
+being run is imported (the list in `v41 --help` comes from ``COMMANDS``), so
+`v41 --help` imports neither torch nor Ray. A user mistake raises ``UserError``: it
+prints as one line and exits 2, never as a traceback.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ class UserError(Exception):
     """A mistake in how the command was called or in its inputs (not a bug)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``command`` names the one command whose arguments are added (its
+    module imported), None for all of them."""
     parser = argparse.ArgumentParser(prog="v41", description="DeepSeek V4.1-Flash on Ray")
     parser.add_argument(
         "--threads", type=int, default=1,
@@ -37,15 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(command)
-        command.set_defaults(_module=module)
+        parser_of = sub.add_parser(name, help=help_text, description=help_text)
+        if command is None or command == name:
+            module = importlib.import_module(module_name)
+            module.add_arguments(parser_of)
+            parser_of.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((arg for arg in argv if arg in COMMANDS), "")
+    args = build_parser(chosen).parse_args(argv)
     if args.threads < 1:
         print("v41: error: --threads must be at least 1", file=sys.stderr)
         return 2

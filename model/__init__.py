@@ -1,6 +1,6 @@
-"""DeepSeek V4.1-Flash in plain PyTorch: configuration, number formats and modules.
+"""DeepSeek V4.1-Flash in plain PyTorch: the network, its inference engine, training.
 
-This package is math only: no Ray, no network, no file I/O outside ``loader.py``,
-and no cache buffers hidden inside modules (caches are explicit objects that the
-engine owns and passes in).
+No Ray and no network here. File I/O is the checkpoint's (``loader.py``); caches are
+explicit objects the engine owns and passes in (``cache.py``, ``serialize.py`` for
+their bytes), never buffers hidden inside modules.
 """

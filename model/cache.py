@@ -152,6 +152,3 @@ class SequenceCache:
     def long_range_bytes(self) -> int:
         """Bytes of the long-range caches (entries + indexer keys)."""
         return sum(r.nbytes for r in self.entries.values()) + sum(r.nbytes for r in self.keys.values())
-
-    def window_bytes(self) -> int:
-        return sum(w.rows.nbytes for w in self.windows if w is not None)

@@ -323,10 +323,6 @@ class EngramLayout:
         """Row ids per token and layer: ``(N - 1) * heads``."""
         return (self.max_ngram_size - 1) * self.n_heads
 
-    def layer_index(self, layer_id: int) -> int:
-        """Position of model layer ``layer_id`` among the Engram layers."""
-        return self.layer_ids.index(layer_id)
-
 
 # ---------------------------------------------------------------------------------
 # 3. N-gram hashing

@@ -437,10 +437,6 @@ def schedule(survival: torch.Tensor, cost: StepCost) -> list[int]:
     return lengths
 
 
-def fixed_lengths(requests: int, k: int, block_size: int) -> list[int]:
-    return [min(k, block_size)] * requests
-
-
 # ---------------------------------------------------------------------- metrics
 
 

@@ -122,39 +122,46 @@ def _link(person: bytes, fingerprint: Fingerprint, parent: bytes, ids: np.ndarra
 
 
 def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
-               media: Sequence[MediaSpan] = ()) -> list[ObjectKey]:
-    """Keys of every full chunk of ``token_ids``, in order; a partial tail has no key."""
+               media: Sequence[MediaSpan] = (), known: Sequence[ObjectKey] = ()) -> list[ObjectKey]:
+    """Keys of every full chunk of ``token_ids``, in order; a partial tail has no key.
+
+    ``known``: the keys of the first chunks, already computed for the same tokens (a
+    request's plan); the chain is hashed on from the last of them.
+    """
     if chunk_tokens <= 0:
         raise ValueError("chunk_tokens must be positive")
     ids = _as_ids(token_ids)
-    keys: list[ObjectKey] = []
-    parent = _ROOT
-    for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
+    known = list(known[: len(ids) // chunk_tokens])
+    keys: list[ObjectKey] = known
+    parent = known[-1].digest if known else _ROOT
+    for start in range(len(known) * chunk_tokens, len(ids) - chunk_tokens + 1, chunk_tokens):
         parent = _link(b"v41-chunk", fingerprint, parent, ids[start:start + chunk_tokens], media, start)
         keys.append(ObjectKey(Kind.CHUNK, parent))
     return keys
 
 
 def window_key(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
-               media: Sequence[MediaSpan] = ()) -> ObjectKey:
-    """Key of the window state after all of ``token_ids`` (a state depends on the whole prefix)."""
+               media: Sequence[MediaSpan] = (), known: Sequence[ObjectKey] = ()) -> ObjectKey:
+    """Key of the window state after all of ``token_ids`` (a state depends on the whole
+    prefix); ``known`` as for :func:`chunk_keys`."""
     ids = _as_ids(token_ids)
-    chunks = chunk_keys(fingerprint, ids, chunk_tokens, media)
+    chunks = chunk_keys(fingerprint, ids, chunk_tokens, media, known)
     parent = chunks[-1].digest if chunks else _ROOT
     start = len(chunks) * chunk_tokens
     return ObjectKey(Kind.WINDOW, _link(b"v41-window", fingerprint, parent, ids[start:], media, start))
 
 
 def window_keys_after(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
-                      chunked: int, media: Sequence[MediaSpan] = ()) -> list[tuple[int, ObjectKey]]:
+                      chunked: int, media: Sequence[MediaSpan] = (),
+                      known: Sequence[ObjectKey] = ()) -> list[tuple[int, ObjectKey]]:
     """``(n, window_key(token_ids[:n]))`` for every ``n`` from ``chunked`` (a chunk
     boundary) up to the next boundary or the end, longest first: the window states a
     prompt could resume from after its first ``chunked`` tokens, with the chunk chain
-    hashed once."""
+    hashed once (or not at all: ``known`` as for :func:`chunk_keys`)."""
     if chunked % chunk_tokens:
         raise ValueError("chunked must be a multiple of chunk_tokens")
     ids = _as_ids(token_ids)
-    chunks = chunk_keys(fingerprint, ids[:chunked], chunk_tokens, media)
+    chunks = chunk_keys(fingerprint, ids[:chunked], chunk_tokens, media, known)
     parent = chunks[-1].digest if chunks else _ROOT
     last = min(len(ids), chunked + chunk_tokens - 1)
     return [(n, ObjectKey(Kind.WINDOW, _link(b"v41-window", fingerprint, parent, ids[chunked:n], media, chunked)))

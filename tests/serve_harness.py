@@ -24,3 +24,30 @@ def running_app(tmp_path: Path, address: str | None = None, port: int | None = N
             yield f"http://127.0.0.1:{port}", redis
     finally:
         time.sleep(0.5)
+
+
+def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:
+    """Poll ``condition()`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def stored_objects() -> int:
+    """Objects in every node's store once its writes have landed and its index entries
+    are published (a conversation is written after its answer is out)."""
+    import ray
+
+    total = 0
+    for node in ray.nodes():
+        try:
+            store = ray.get_actor(f"v41-store-{node['NodeID']}", namespace="v41")
+        except ValueError:  # a node without a store actor
+            continue
+        ray.get(store.flush.remote())
+        stats = ray.get(store.stats.remote())
+        if stats.index_pending:
+            return -1
+        total += sum(stats.objects.values())
+    return total

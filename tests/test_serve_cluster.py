@@ -4,11 +4,12 @@ an Engram shard on different raylets, requests served across them."""
 from __future__ import annotations
 
 import openai
+
 import pytest
 import ray
 from ray import serve
 
-from tests.serve_harness import running_app
+from tests.serve_harness import running_app, stored_objects, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +50,16 @@ def test_pools_and_engram_shard_on_different_raylets(cluster, tmp_path):
         shard_nodes = {p.node_id for p in ray.get(holder.placement.remote())}
         assert decoder_node == worker and prefill_node == head and shard_nodes == {worker}
         # The second turn's prefix lives on the decoder's node (it wrote it); the router
-        # finds it in the Redis index and the prefill reads it through its node's store.
+        # finds it in the Redis index; the prefill reads it from that node's store (node to
+        # node) and the decoder from its own.
+        # (The write lands after the answer: wait for it. Issue 17 makes the next turn find
+        # a conversation still being written.)
+        wait_until(lambda: stored_objects() >= 2, what="turn one's write")
         again = client.chat.completions.create(
             model="deepseek-v4.1-small", max_tokens=4, temperature=0,
             messages=messages + [{"role": "assistant", "content": first.choices[0].message.content},
                                  {"role": "user", "content": "again"}])
         assert again.usage.completion_tokens == 4
+        # The decoder loaded that prefix from its own node's store (the handoff names it).
+        assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
         ray.kill(holder)

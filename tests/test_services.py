@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.decoder import DecoderService
+from actors.decoder import DecoderService, PrefixUnavailable
 from actors.prefill import PrefillService
 from actors.state import CachePlan, StateNaming
 from model.engine import Engine
@@ -90,6 +90,57 @@ def test_an_in_process_handoff_decodes_and_stores_like_a_serialized_one(pools, g
     assert store.flush(timeout=10)
     warm, _ = _run(engine, store, naming, first + answers[1] + [3, 40, 21], n=2, in_process=True)
     assert warm.cached_tokens == len(first) + len(answers[1]) - 1
+
+
+def _returning_handoff(engine, store, naming, history):
+    """Turn one over ``history`` (stored), then the handoff of a returning turn."""
+    _, answer = _run(engine, store, naming, history, n=2)
+    assert store.flush(timeout=10)
+    prompt = history + answer + [3, 40, 21, 1096]
+    return PrefillService(engine, store, naming, node_id="n1").prefill(_plan(naming, store, prompt)), prompt
+
+
+def test_a_returning_turns_handoff_names_the_stored_prefix_and_carries_only_the_rest(pools, golden_prompts):
+    engine, store, naming = pools
+    sizes, prefix_bytes = {}, {}
+    for history in (golden_prompts[1][:80], (golden_prompts[2] * 2)[:560]):
+        handoff, prompt = _returning_handoff(engine, store, naming, history)
+        assert handoff.cached_tokens == len(prompt) - 5  # all but the new tokens (turn one's window state)
+        assert handoff.stored_chunks == handoff.cached_tokens // CHUNK
+        assert handoff.chunk_keys == tuple(naming.chunks(prompt)) and handoff.prefix_node == "n1"
+        prefix = handoff.chunk_keys[: handoff.stored_chunks]
+        sizes[len(history)] = len(handoff.state)
+        prefix_bytes[len(history)] = sum(len(store.get(key)) for key in prefix)
+    one_chunk = prefix_bytes[80] // (80 // CHUNK)
+    # The stored prefix grew 7x; the handoff stayed the size of the new tokens, the
+    # windows and the pending rows (it moved by less than one chunk's bytes).
+    assert prefix_bytes[560] > 6 * prefix_bytes[80]
+    assert abs(sizes[560] - sizes[80]) < one_chunk
+
+
+def test_a_decoder_reads_a_prefix_it_lacks_from_the_node_that_served_it(pools, golden_prompts, tmp_path):
+    engine, store, naming = pools
+    handoff, prompt = _returning_handoff(engine, store, naming, golden_prompts[2][:170])
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    def decode(decoder):
+        events = [decoder.admit("r", handoff, params)]
+        while decoder.running:
+            events += decoder.step()
+        return [e.token_id for e in events]
+
+    here = decode(DecoderService(engine, store, naming))
+    elsewhere = TieredStore(StoreConfig(node_id="n2", retention=RetentionPolicy(ram_capacity_bytes=64 << 20)),
+                            Fingerprint(naming.identity.model))
+    handoff.prefix_node = "n1"
+    try:
+        with pytest.raises(PrefixUnavailable):
+            decode(DecoderService(engine, elsewhere, naming))
+        assert decode(DecoderService(engine, elsewhere, naming, peers={"n1": store}.get)) == here
+        # What it fetched is now on its own node: the next decoder there needs no peer.
+        assert decode(DecoderService(engine, elsewhere, naming)) == here
+    finally:
+        elsewhere.close()
 
 
 def test_expired_window_state_falls_back_to_the_encoder_replay(pools, golden_prompts):

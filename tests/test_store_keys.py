@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from storage.codec import FORMAT_VERSION, HEADER_BYTES, Codec, CorruptObject, checksum
-from storage.keys import Fingerprint, Kind, MediaSpan, ObjectKey, chunk_keys, window_key
+from storage.keys import Fingerprint, Kind, MediaSpan, ObjectKey, chunk_keys, window_key, window_keys_after
 
 FP = Fingerprint.of("tiny", {"layers": 4, "window": 8})
 
@@ -159,3 +159,13 @@ def test_window_keys_after_equal_window_key_of_each_prefix():
         listed = window_keys_after(fp, ids, 64, chunked)
         assert [n for n, _ in listed] == list(range(min(len(ids), chunked + 63), chunked - 1, -1))
         assert all(key == window_key(fp, ids[:n], 64) for n, key in listed)
+
+
+def test_known_chunk_keys_continue_the_chain():
+    fp = Fingerprint.of("m", {"a": 1})
+    ids = list(range(1000, 1000 + 7 * 16 + 5))
+    full = chunk_keys(fp, ids, 16)
+    assert chunk_keys(fp, ids, 16, known=full[:3]) == full
+    assert chunk_keys(fp, ids[: 4 * 16], 16, known=full) == full[:4]  # known keys past the tokens are ignored
+    assert window_key(fp, ids, 16, known=full[:5]) == window_key(fp, ids, 16)
+    assert window_keys_after(fp, ids, 16, 48, known=full[:3]) == window_keys_after(fp, ids, 16, 48)
