@@ -1,7 +1,8 @@
 """The decoder pool: replay, continuous-batching decode, write the conversation back.
 
-:class:`DecoderService` is the engine-side logic (tested without Ray): it admits
-handoffs from the prefill pool into a :class:`model.batcher.Batcher`, steps the
+:class:`DecoderService` is the engine-side logic (tested without Ray; :class:`DecoderPool`
+is its Serve deployment): it admits
+handoffs from the prefill pool into a :class:`model.runtime.batcher.Batcher`, steps the
 batch, and when a request ends normally writes the conversation's new whole chunks
 and its window state to the node's store. A request that fails or is cancelled
 writes nothing, so the store never holds a partial conversation. Writes are
@@ -11,19 +12,24 @@ tokens went out, so serialising a conversation never delays its last token.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import time
 from collections.abc import Callable
 
-from model.batcher import Batcher, Speculation, TokenEvent
-from model.cache import SequenceCache
+from ray import serve
+
+from cluster.config import AppConfig
 from model.chat import Tokenizer
-from model.engine import DecoderInput, Engine
-from model.sampling import SamplingParams
-from model.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
+from model.runtime.batcher import Batcher, Speculation, TokenEvent
+from model.runtime.cache import SequenceCache
+from model.runtime.engine import DecoderInput, Engine
+from model.runtime.sampling import SamplingParams
+from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
 
 from .prefill import StoreLike, read_through
+from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
 from .state import Handoff, StateNaming
 
 
@@ -84,7 +90,7 @@ class DecoderService:
 
     @property
     def spec_metrics(self):
-        """The batcher's :class:`model.speculative.SpecMetrics` (None without speculation)."""
+        """The batcher's :class:`model.runtime.speculative.SpecMetrics` (None without speculation)."""
         return self.batcher.metrics if self.batcher.speculation is not None else None
 
     def cancel(self, request_id: str) -> None:
@@ -117,3 +123,110 @@ class DecoderService:
             self.store.put(keys[index], chunk_to_bytes(cache, index * size, size, self.naming.identity))
         window = self.naming.window(tokens, known=tuple(keys))
         self.store.put(window, window_to_bytes(cache, whole * size, self.naming.identity))
+
+
+# ---------------------------------------------------------------------- deployment
+
+
+@serve.deployment(max_ongoing_requests=64)
+class DecoderPool:
+    """A decoder replica: the whole model, one continuous batch, streaming tokens out."""
+
+    def __init__(self, config: AppConfig):
+        from actors.decoder import DecoderService
+        from actors.prefill import PrefillService
+        from actors.store import peer_store
+        from cluster.metrics import DecoderMetrics, PrefillMetrics
+
+        bundle = ModelBundle(config)
+        store = bundle.store(config)
+        self.service = DecoderService(bundle.engine, store, bundle.naming, bundle.tokenizer,
+                                      bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config),
+                                      peers=peer_store)
+        # Short new prompts are encoded here (see Router._events): the same logic as a
+        # prefill replica, on this replica's engine and store.
+        self.prefiller = PrefillService(bundle.engine, store, bundle.naming, node_id(), peer_store)
+        self.executor = one_thread_executor()
+        self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.stepping: asyncio.Task | None = None
+
+    async def generate(self, handoff, params, request_id: str):
+        """Yields one dict per generated token; the first also carries ``cached_tokens``,
+        ``prompt_tokens`` and ``replica_s`` (one stream item fewer per request)."""
+        arrived = time.time()
+
+        def admit():
+            handoff.timeline["decode_in"] = arrived
+            return handoff, self.service.admit(request_id, handoff, params)
+
+        async for event in self._decode(request_id, admit):
+            yield event
+
+    async def prefill_and_generate(self, plan, params, request_id: str, engram=None):
+        """:meth:`generate` for a prompt this replica encodes itself: no handoff to
+        serialise, and the prefill and the first token in one trip to the engine thread."""
+        arrived = time.time()
+        rows = engram_rows(engram, self.prefill_metrics)
+
+        def encode_and_admit():
+            handoff = prefilled(self.prefiller.prefill(plan, rows, in_process=True), arrived, "decoder",
+                                 self.prefill_metrics)
+            handoff.timeline["decode_in"] = handoff.timeline["prefill_out"]
+            return handoff, self.service.admit(request_id, handoff, params)
+
+        async for event in self._decode(request_id, encode_and_admit):
+            yield event
+
+    async def _decode(self, request_id: str, admit):
+        """Run ``admit`` (-> (handoff, first token)) on the engine thread, then stream
+        the request's tokens from the batch."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[request_id] = queue
+        try:
+            handoff, first = await loop.run_in_executor(self.executor, admit)
+            timeline = {**handoff.timeline, "decode_out": time.time()}
+            yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
+                   "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
+                   "prefilled_by": handoff.prefilled_by,
+                   **dataclasses.asdict(first)}
+            if first.finish_reason is not None:
+                return
+            if self.stepping is None or self.stepping.done():
+                self.stepping = asyncio.create_task(self._step_loop())
+            while True:
+                event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield dataclasses.asdict(event)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if request_id in self.service.batcher.running:  # client gone: drop the request
+                await loop.run_in_executor(self.executor, self.service.cancel, request_id)
+            # Store finished conversations now that their tokens are out (same engine thread).
+            loop.run_in_executor(self.executor, self.service.write_pending)
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.service.running:
+            batch = self.service.running
+            try:
+                events = await loop.run_in_executor(self.executor, self.service.step)
+            except Exception as error:  # a failed step fails every request in the batch
+                for queue in self.queues.values():
+                    queue.put_nowait(error)
+                return
+            self.metrics.step(batch, len(events), self.service.running, self.service.spec_metrics)
+            for event in events:
+                queue = self.queues.get(event.request_id)
+                if queue is not None:
+                    queue.put_nowait(event)
+
+    def running(self) -> int:
+        return self.service.running
+
+    def node(self) -> str:
+        return node_id()

@@ -1,7 +1,7 @@
 """The prefill encoder pool: load the stored prefix, encode the new tokens, hand off.
 
-:class:`PrefillService` is the engine-side logic (tested without Ray); the Serve
-deployment in :mod:`cluster.app` is a thin wrapper around it.
+:class:`PrefillService` is the engine-side logic (tested without Ray);
+:class:`PrefillPool`, the Serve deployment, is a thin wrapper around it.
 
 For a request it (1) reads the stored chunks of the prompt's cached prefix from its
 node's store, (2) looks for the window state of the conversation's previous turn
@@ -13,17 +13,22 @@ the rest of the cache serialized, and the decoder input.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from ray import serve
+from ray.serve.config import RequestRouterConfig
 
-from model.engine import DecoderInput, Engine
-from model.serialize import StateError, load_chunks, load_window, window_to_bytes
+from cluster.config import AppConfig
+from model.runtime.engine import DecoderInput, Engine
+from model.runtime.serialize import StateError, load_chunks, load_window, window_to_bytes
 from storage.keys import ObjectKey
 
+from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
 from .state import CachePlan, Handoff, StateNaming
 
 
@@ -143,3 +148,33 @@ class PrefillService:
             if cache.length == length:
                 return True
         return False
+
+
+# ---------------------------------------------------------------------- deployment
+
+
+@serve.deployment(request_router_config=RequestRouterConfig(
+    request_router_class="cluster.routing:PrefixAffinityRouter"))
+class PrefillPool:
+    """A prefill replica: the encoder half and the CED projection, and its node's store."""
+
+    def __init__(self, config: AppConfig):
+        from actors.prefill import PrefillService
+        from actors.store import peer_store
+        from cluster.metrics import PrefillMetrics
+
+        bundle = ModelBundle(config, drop_decoder=True)
+        self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming, node_id(), peer_store)
+        self.executor = one_thread_executor()
+        self.metrics = PrefillMetrics()
+
+    def node(self) -> str:
+        """The Ray node this replica runs on (placement checks, tests)."""
+        return node_id()
+
+    async def prefill(self, plan, preferred_nodes: list[str] | None = None, engram=None):
+        """``preferred_nodes`` is read by the request router (cache affinity)."""
+        arrived = time.time()
+        rows = engram_rows(engram, self.metrics)
+        handoff = await asyncio.get_running_loop().run_in_executor(self.executor, self.service.prefill, plan, rows)
+        return prefilled(handoff, arrived, "pool", self.metrics)

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.cache import SequenceCache
-from model.serialize import StateIdentity, chunk_granularity
+from model.runtime.cache import SequenceCache
+from model.runtime.serialize import StateIdentity, chunk_granularity
 from storage.keys import Fingerprint, ObjectKey, chunk_keys, window_key, window_keys_after
 
 

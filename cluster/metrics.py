@@ -58,7 +58,7 @@ class DecoderMetrics:
 
     def step(self, batch: int, events: int, running: int, spec=None) -> None:
         """After a step of ``batch`` requests that emitted ``events`` tokens; ``spec`` is
-        the batcher's cumulative :class:`model.speculative.SpecMetrics` (or None)."""
+        the batcher's cumulative :class:`model.runtime.speculative.SpecMetrics` (or None)."""
         self.batch.observe(batch)
         self.running.set(running)
         if events:

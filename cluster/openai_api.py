@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from model.chat import Message, resolve_effort
-from model.sampling import SamplingParams, SamplingParamsError
+from model.runtime.sampling import SamplingParams, SamplingParamsError
 
 
 class ApiError(Exception):

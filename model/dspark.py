@@ -314,7 +314,7 @@ class DSparkDrafter(nn.Module):
 
         Greedy at temperature 0, else softmax sampling at ``temperature``; ``pick``
         (logits [B, V] with the bias -> tokens [B]) replaces both, e.g. the serving
-        sampler of :mod:`model.speculative` with each request's own parameters.
+        sampler of :mod:`model.runtime.speculative` with each request's own parameters.
         """
         prev = anchor_ids.long()
         tokens, logits, prevs = [], [], []

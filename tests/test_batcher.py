@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from model.batcher import Batcher, generate
-from model.engine import Engine
-from model.sampling import SamplingParams
+from model.runtime.batcher import Batcher, generate
+from model.runtime.engine import Engine
+from model.runtime.sampling import SamplingParams
 
 
 def _prompts(golden_prompts):

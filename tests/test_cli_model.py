@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from cluster.cli import main
-from model.cache import SequenceCache
+from model.runtime.cache import SequenceCache
 from model.config import ModelConfig
 from model.engram import EngramLayout
 

@@ -21,10 +21,10 @@ import torch
 
 from model import training
 from model.config import ModelConfig
-from model.engine import Engine
+from model.runtime.engine import Engine
 from model.engram import EngramLayout, NgramHasher
 from model.loader import Checkpoint, build_modules, load_checkpoint, load_tokenizer, save_checkpoint
-from model.serialize import StateIdentity, chunk_granularity, chunk_to_bytes, load_chunks, load_window, window_to_bytes
+from model.runtime.serialize import StateIdentity, chunk_granularity, chunk_to_bytes, load_chunks, load_window, window_to_bytes
 from model.transformer import init_module
 
 from .config_sweep import TOKENIZER_DIR, features, sweep_config

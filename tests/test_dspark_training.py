@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.dspark import DSparkDrafter, draft_loss, target_streams
-from model.engine import Engine, Tap
+from model.runtime.engine import Engine, Tap
 from model.training import init_module
 
 TINY = "configs/tiny"

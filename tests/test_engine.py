@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.engine import Engine
+from model.runtime.engine import Engine
 
 TINY = "configs/tiny"
 

@@ -306,7 +306,7 @@ def test_golden_rows_and_logits_identical(golden_dir, golden_model, golden_hashe
 
 
 def test_engine_prefill_same_with_service(golden_dir, golden_model, golden_hasher, golden_prompts):
-    from model.engine import Engine
+    from model.runtime.engine import Engine
 
     config, model = golden_model
     engine = Engine(model, golden_hasher)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from model.sampling import (
+from model.runtime.sampling import (
     SamplingParams,
     SamplingParamsError,
     StopChecker,

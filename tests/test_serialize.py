@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.engine import Engine
+from model.runtime.engine import Engine
 from model.engram import EngramLayout, NgramHasher
 from model.loader import load_tokenizer
-from model.serialize import (
+from model.runtime.serialize import (
     StateError,
     StateIdentity,
     chunk_granularity,

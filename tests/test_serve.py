@@ -12,9 +12,9 @@ import openai
 import pytest
 import ray
 
-from cluster.app import parse_server_timing
+from cluster.router import parse_server_timing
 from model.chat import ChatTemplate, Message, Tokenizer
-from model.engine import Engine
+from model.runtime.engine import Engine
 from tests.serve_harness import GOLDEN, running_app, stored_objects, wait_until
 
 pytestmark = pytest.mark.slow
@@ -125,9 +125,9 @@ def test_second_turn_is_cached_and_equals_a_cold_exact_run(client):
     # which the router found in the index.
     assert two.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens + one.usage.completion_tokens - 1
     # The same conversation, cold and exact, in-process.
-    from model.batcher import generate
+    from model.runtime.batcher import generate
     from model.loader import load_hasher, load_model
-    from model.sampling import SamplingParams
+    from model.runtime.sampling import SamplingParams
 
     config, model = load_model(GOLDEN)
     engine = Engine(model, load_hasher(GOLDEN, config), bounded_replay=False)

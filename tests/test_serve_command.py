@@ -23,7 +23,7 @@ SMALL = Path(__file__).resolve().parent.parent / "configs" / "small"
 
 def _plain_greedy(prompt: list[int], n: int) -> str:
     """The same request in-process, without speculation (bounded replay, as served)."""
-    from model.engine import Engine
+    from model.runtime.engine import Engine
     from model.loader import load_hasher, load_model, load_tokenizer
 
     config, model = load_model(SMALL)

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import AppConfig, resolve_model
+from cluster.config import AppConfig, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

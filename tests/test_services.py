@@ -11,10 +11,10 @@ import torch
 from actors.decoder import DecoderService, PrefixUnavailable
 from actors.prefill import PrefillService
 from actors.state import CachePlan, StateNaming
-from model.engine import Engine
+from model.runtime.engine import Engine
 from model.loader import weights_digest
-from model.sampling import SamplingParams
-from model.serialize import StateIdentity
+from model.runtime.sampling import SamplingParams
+from model.runtime.serialize import StateIdentity
 from storage.keys import Fingerprint
 from storage.policy import RetentionPolicy
 from storage.store import StoreConfig, TieredStore
@@ -173,9 +173,9 @@ def test_speculative_decoder_gives_the_plain_tokens_and_a_reusable_conversation(
     """The small checkpoint's trained drafter in the decoder service (fixed k = 3):
     greedy tokens equal plain decoding, several tokens come out of one step, and the
     conversation it writes back serves the next turn like the plain one does."""
-    from model.batcher import Speculation
+    from model.runtime.batcher import Speculation
     from model.loader import load_checkpoint, load_hasher
-    from model.speculative import SpeculativeDrafter
+    from model.runtime.speculative import SpeculativeDrafter
 
     small = Path(__file__).resolve().parent.parent / "configs" / "small"
     checkpoint = load_checkpoint(small)

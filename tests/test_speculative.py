@@ -10,11 +10,11 @@ import statistics
 import pytest
 import torch
 
-from model.batcher import Batcher, Speculation, generate
+from model.runtime.batcher import Batcher, Speculation, generate
 from model.dspark import DSparkDrafter
-from model.engine import Engine
-from model.sampling import SamplingParams
-from model.speculative import (
+from model.runtime.engine import Engine
+from model.runtime.sampling import SamplingParams
+from model.runtime.speculative import (
     Calibration,
     SpeculativeDrafter,
     StepCost,

@@ -1,4 +1,4 @@
-"""The training math (model/training.py) and a smoke run of `v41 train-small`.
+"""The training math (model/training/__init__.py) and a smoke run of `v41 train-small`.
 
 The differentiable forward must equal the reference forward of the quantised
 checkpoint, keep the indexer's loss and the LM loss apart, and apply the bounded

@@ -45,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
 
     from cluster.cli import UserError
     from model.config import ConfigError, ModelConfig
-    from model.engine import Engine
+    from model.runtime.engine import Engine
     from model.engram import EngramLayout, NgramHasher
     from model.loader import CheckpointError, load_tokenizer
-    from model.speculative import synthetic_cache
+    from model.runtime.speculative import synthetic_cache
     from model.transformer import Transformer
 
     try:

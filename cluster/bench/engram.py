@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.engram import EngramService, EngramServiceConfig
     from cluster.cli import UserError
-    from model.engine import Engine
+    from model.runtime.engine import Engine
 
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]

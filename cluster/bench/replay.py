@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cluster.commands.forward import load_or_fail, read_id_lists
-    from model.engine import Engine
+    from model.runtime.engine import Engine
 
     config, model, hasher = load_or_fail(args.checkpoint)
     vocab = config.text.vocab_size

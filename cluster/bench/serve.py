@@ -7,7 +7,9 @@ tiers), then measures through HTTP:
   first token (p50) and aggregate tokens/s;
 - **returning turn**: a conversation with a long history (``--history`` tokens) is
   answered once; its next turn (history + answer + a short message) is timed to
-  first token, against a cold run of a prompt of the same shape that nothing cached;
+  first token (the median of ``--returning`` such turns, each resuming from turn one,
+  with the median Server-Timing stages of the same turns non-streamed), against a
+  cold run of a prompt of the same shape that nothing cached;
 - **Serve overhead**: the latency of a one-token request through HTTP minus the time
   the replicas spent computing it (prefill, handoff, replay, sample; reported by the
   router in the ``x-v41-replica-ms`` header), p50, for a short new prompt (encoded by
@@ -39,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--history", type=int, default=16384, help="history tokens of the returning turn")
     parser.add_argument("--repeats", type=int, default=40, help="overhead repetitions")
+    parser.add_argument("--returning", type=int, default=7, help="returning turns timed (median)")
 
 
 async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dict]:
@@ -75,6 +78,8 @@ def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
 async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
     import aiohttp
 
+    from cluster.router import parse_server_timing
+
     chat = f"{url}/v1/chat/completions"
     results: dict = {"concurrency": {}}
     timeout = aiohttp.ClientTimeout(total=3600)
@@ -98,12 +103,25 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
         answer = (await (await session.post(chat, json={**short, "messages": turn_one})).json())
         answer_text = answer["choices"][0]["message"]["content"]
         await asyncio.sleep(1.0)  # the window state is written behind the first answer
-        follow = [{"role": "assistant", "content": answer_text}, {"role": "user", "content": "and then?"}]
-        returning = await _stream(session, chat, {**short, "messages": turn_one + follow})
+        # Each returning turn resumes from turn one (its own last message differs):
+        # streamed for the TTFT, then the same shape non-streamed for its stages.
+        ttfts, stages, usage = [], [], {}
+        for i in range(args.returning):
+            follow = [{"role": "assistant", "content": answer_text}, {"role": "user", "content": f"and then? {i}"}]
+            returning = await _stream(session, chat, {**short, "messages": turn_one + follow})
+            ttfts.append(returning[0])
+            usage = returning[3]
+            follow[1]["content"] = f"and after that? {i}"
+            response = await session.post(chat, json={**short, "max_tokens": 1, "messages": turn_one + follow})
+            await response.read()
+            stages.append(parse_server_timing(response.headers.get("server-timing", ""))[0])
         cold_prompt = [{"role": "user", "content": _history_text(tokenizer, args.history, "b")}] + follow
         cold = await _stream(session, chat, {**short, "messages": cold_prompt})
-        results["returning"] = {"ttft_s": returning[0], "cached_tokens": returning[3].get("prompt_tokens_details", {})
-                                .get("cached_tokens", 0), "prompt_tokens": returning[3].get("prompt_tokens", 0)}
+        results["returning"] = {"ttft_s": statistics.median(ttfts), "ttft_s_all": ttfts,
+                                "stages_ms_p50": {k: round(statistics.median(s.get(k, 0.0) for s in stages), 2)
+                                                  for k in stages[0]},
+                                "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                                "prompt_tokens": usage.get("prompt_tokens", 0)}
         results["cold"] = {"ttft_s": cold[0], "prompt_tokens": cold[3].get("prompt_tokens", 0)}
     return results
 
@@ -120,7 +138,7 @@ def _one_token_requests(host: str, port: int, model_name: str, repeats: int) -> 
     server's path, and aiohttp's own request and response handling adds ~0.6 ms here."""
     import http.client
 
-    from cluster.app import parse_server_timing
+    from cluster.router import parse_server_timing
 
     connection = http.client.HTTPConnection(host, port, timeout=600)
     results: dict = {}
@@ -151,7 +169,7 @@ def _one_token_requests(host: str, port: int, model_name: str, repeats: int) -> 
 
 def _in_process_one_token(model_dir: Path, repeats: int) -> list[float]:
     from model.chat import ChatTemplate, Message, Tokenizer
-    from model.engine import Engine
+    from model.runtime.engine import Engine
     from model.loader import load_hasher, load_model
 
     config, model = load_model(model_dir)
@@ -167,7 +185,7 @@ def _in_process_one_token(model_dir: Path, repeats: int) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.app import AppConfig
+    from cluster.config import AppConfig
     from cluster.cli import UserError
     from cluster.commands.serve import default_model, local_app
     from model.chat import Tokenizer
@@ -197,8 +215,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'clients':>8}  {'TTFT p50 ms':>12}  {'tokens/s':>9}")
     for n, row in results["concurrency"].items():
         print(f"{n:>8}  {row['ttft_ms_p50']:>12.1f}  {row['tokens_per_s']:>9.1f}")
-    print(f"\nreturning turn: TTFT {results['returning']['ttft_s']:.3f} s "
-          f"({results['returning']['cached_tokens']} of {results['returning']['prompt_tokens']} prompt tokens cached)")
+    print(f"\nreturning turn: TTFT p50 {results['returning']['ttft_s']:.3f} s over {args.returning} turns "
+          f"({results['returning']['cached_tokens']} of {results['returning']['prompt_tokens']} prompt tokens cached); "
+          "stages (p50 ms): " + ", ".join(f"{k} {v:.1f}" for k, v in results["returning"]["stages_ms_p50"].items()))
     print(f"cold run:       TTFT {results['cold']['ttft_s']:.3f} s ({results['cold']['prompt_tokens']} prompt tokens)")
     print(f"returning / cold TTFT: {ratio:.4f}")
     print(f"\none-token request, short new prompt: HTTP p50 {1e3 * http_p50:.1f} ms; compute inside the replicas "

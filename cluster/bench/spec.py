@@ -80,8 +80,8 @@ def lockstep(engine, prompts, max_tokens: int, modes: dict, cost=None, seed: int
     k=5 (the bench's control) differs from the first. ``modes`` maps names to a
     :class:`Speculation` or None (plain). With ``cost`` (a StepCost), each mode's
     steps are also timed by the table."""
-    from model.batcher import Batcher
-    from model.sampling import SamplingParams
+    from model.runtime.batcher import Batcher
+    from model.runtime.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     batchers, outputs, timings, tokens = {}, {}, {}, {}
@@ -127,11 +127,11 @@ class Timing:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.cli import UserError
-    from model.batcher import Speculation
+    from model.runtime.batcher import Speculation
     from model.config import ConfigError
-    from model.engine import Engine
+    from model.runtime.engine import Engine
     from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer
-    from model.speculative import Calibration, SpecMetrics, SpeculativeDrafter, StepCost
+    from model.runtime.speculative import Calibration, SpecMetrics, SpeculativeDrafter, StepCost
 
     try:
         checkpoint = load_checkpoint(args.checkpoint)

@@ -31,10 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cluster.cli import UserError
     from cluster.commands.forward import load_or_fail, read_id_lists
-    from model.batcher import generate
+    from model.runtime.batcher import generate
     from model.chat import ChatTemplate, Message, Tokenizer
-    from model.engine import Engine
-    from model.sampling import SamplingParams, SamplingParamsError
+    from model.runtime.engine import Engine
+    from model.runtime.sampling import SamplingParams, SamplingParamsError
 
     config, model, hasher = load_or_fail(args.checkpoint)
     try:

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def default_model() -> Path:
     """The shipped small checkpoint, wherever the command runs from."""
-    from cluster.app import DEFAULT_MODEL
+    from cluster.config import DEFAULT_MODEL
 
     return Path(DEFAULT_MODEL)
 

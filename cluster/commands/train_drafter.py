@@ -16,7 +16,7 @@ against c* = 1 - TV, each position-weighted by exp(-(k-1)/K). Only the drafter l
 Calibration. Greedy continuations of held-out prompts give exact verification labels
 (along a greedy trajectory the target's argmax is the next token): every anchor's
 greedy draft is accepted up to its first mismatch. Sequential temperature scaling
-(:meth:`model.speculative.Calibration.fit`) runs on the saved (quantised) drafter.
+(:meth:`model.runtime.speculative.Calibration.fit`) runs on the saved (quantised) drafter.
 
 Output: the whole checkpoint re-saved with the trained drafter
 (``model.loader.save_checkpoint``) and ``dspark_calibration.json`` (temperatures, ECE
@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _greedy(engine, prompts: list[list[int]], length: int, speculation=None, batch: int = 32) -> list[list[int]]:
     """Prompts followed by their greedy continuations (speculation, when given, only
     makes this faster: greedy speculative output equals plain greedy output)."""
-    from model.batcher import generate
-    from model.sampling import SamplingParams
+    from model.runtime.batcher import generate
+    from model.runtime.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=length)
     out = []
@@ -108,10 +108,10 @@ def run(args: argparse.Namespace) -> int:
     from model import training
     from model.config import ConfigError
     from model.dspark import draft_loss, target_streams
-    from model.engine import Engine
+    from model.runtime.engine import Engine
     from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
-    from model.batcher import Speculation
-    from model.speculative import Calibration, SpeculativeDrafter
+    from model.runtime.batcher import Speculation
+    from model.runtime.speculative import Calibration, SpeculativeDrafter
 
     out = args.out or args.checkpoint
     try:

@@ -475,10 +475,10 @@ def evaluate(model, hasher, rows, batch: int, reference: bool = False) -> float:
 
 def samples(directory: Path, max_new_tokens: int = 96) -> str:
     """Greedy continuations of :data:`SAMPLE_PROMPTS` by the engine on the saved checkpoint."""
-    from model.batcher import generate
-    from model.engine import Engine
+    from model.runtime.batcher import generate
+    from model.runtime.engine import Engine
     from model.loader import load_hasher, load_model, load_tokenizer
-    from model.sampling import SamplingParams
+    from model.runtime.sampling import SamplingParams
 
     config, model = load_model(directory)
     tokenizer = load_tokenizer(directory)

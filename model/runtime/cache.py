@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import TextConfig
-from .engram import NgramContext
-from .formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV, BlockFormat, Packed
+from ..config import TextConfig
+from ..engram import NgramContext
+from ..formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV, BlockFormat, Packed
 
 
 class PackedRows:

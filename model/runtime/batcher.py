@@ -7,7 +7,7 @@ samples its first token; ``step`` decodes one token for every running request in
 one batched engine call. Each generated token is reported as a :class:`TokenEvent`
 (with text when a tokenizer is given); finished requests leave the batch.
 
-Speculative mode (``speculation=``, :mod:`model.speculative`): each ``step`` drafts
+Speculative mode (``speculation=``, :mod:`model.runtime.speculative`): each ``step`` drafts
 guesses for every request with the DSpark drafter, schedules how many of them to
 verify (Algorithm 1, or a fixed k), verifies them all in one backbone pass, and
 reports every accepted token plus the target's own token, in order. A request that
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import SequenceCache
-from .chat import IncrementalDetokenizer, Tokenizer
+from ..chat import IncrementalDetokenizer, Tokenizer
 from .engine import DecoderInput, Engine
 from .sampling import SamplingParams, StopChecker, make_generator, sample
 from .speculative import MODES, DraftContext, SpecMetrics, SpeculativeDrafter, StepCost, accept_tokens, schedule

@@ -34,8 +34,8 @@ import torch
 import xxhash
 
 from .cache import PackedRows, SequenceCache
-from .config import TextConfig
-from .formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
+from ..config import TextConfig
+from ..formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
 
 MAGIC = b"V41S"
 FORMAT_VERSION = 1
@@ -274,7 +274,7 @@ def load_window(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> N
     Verifies and parses everything first: on error the cache is unchanged.
     """
     from .cache import PackedRows, Window
-    from .engram import NgramContext
+    from ..engram import NgramContext
 
     chunked, tokens, payload = _open(blob, WINDOW, identity)
     if chunked != cache.length:

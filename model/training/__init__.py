@@ -47,12 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import formats, mhc
-from .attention import CSA2Attention, Indexer, candidate_blocks, top_k, visible_entries
-from .config import AttentionMode
-from .formats import COMPRESSED_KV, ENGRAM_ROW, INDEXER_KEY, WINDOW_KV
-from .rope import apply_rotary
-from .transformer import Transformer, init_module
+from .. import formats, mhc
+from ..attention import CSA2Attention, Indexer, candidate_blocks, top_k, visible_entries
+from ..config import AttentionMode
+from ..formats import COMPRESSED_KV, ENGRAM_ROW, INDEXER_KEY, WINDOW_KV
+from ..rope import apply_rotary
+from ..transformer import Transformer, init_module
 
 __all__ = [
     "Muon",
@@ -101,7 +101,7 @@ def fake_quant_weight(name: str, weight: torch.Tensor) -> torch.Tensor:
 def quantised_weight_names(model: Transformer) -> list[str]:
     """Parameters of the backbone that the checkpoint stores quantised, except Engram
     tables (those are rounded per looked-up row, which is the same thing)."""
-    from .loader import _is_quantised  # the one rule save_checkpoint applies
+    from ..loader import _is_quantised  # the one rule save_checkpoint applies
 
     return [
         name for name, p in model.named_parameters()
@@ -149,7 +149,7 @@ class _Forward(nn.Module):
         self.model = model
 
     def forward(self, input_ids, engram_ids, replay: ReplayStarts, quantize: bool) -> TrainOutput:
-        model, config = self.model, self.model.config
+        model = self.model
         batch, length = input_ids.shape
         device = input_ids.device
         streams, pre = model.embed_streams(input_ids)

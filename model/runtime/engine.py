@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import mhc
-from .attention import candidate_entries, top_k
+from .. import mhc
+from ..attention import candidate_entries, top_k
 from .cache import SequenceCache
-from .config import AttentionMode
-from .engram import NgramContext, NgramHasher
-from .transformer import Block, Transformer
+from ..config import AttentionMode
+from ..engram import NgramContext, NgramHasher
+from ..transformer import Block, Transformer
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """DSpark speculative decoding: drafting, lossless verification, and the goodput scheduler.
 
-One speculative step for a batch of requests (:class:`model.batcher.Batcher` drives it):
+One speculative step for a batch of requests (:class:`model.runtime.batcher.Batcher` drives it):
 
 1. **Draft** (:meth:`SpeculativeDrafter.propose`): every request's anchor (its last
    token, not yet fed) and its drafter context (:class:`DraftContext`: the drafter
@@ -13,16 +13,16 @@ One speculative step for a batch of requests (:class:`model.batcher.Batcher` dri
    ``"scheduled"`` is Algorithm 1 of the DSpark paper with its early stop, on the
    steps-per-second table :class:`StepCost` profiled when the decoder starts;
    ``"fixed"`` verifies k guesses of every request; ``"off"`` decodes plainly.
-3. **Verify**: one backbone pass (:meth:`model.engine.Engine.verify`) over every
+3. **Verify**: one backbone pass (:meth:`model.runtime.engine.Engine.verify`) over every
    request's ``[anchor, admitted guesses]``; the engine's causal attention handles
    several new tokens per sequence.
 4. **Accept** (:func:`accept_tokens`): greedy requests keep guesses while they equal the
    target's argmax, then take the target's token (so greedy output equals plain greedy
    output); sampled requests use rejection sampling against
-   :func:`model.sampling.probabilities` (accept ``x ~ q`` with ``min(1, p(x)/q(x))``, on
+   :func:`model.runtime.sampling.probabilities` (accept ``x ~ q`` with ``min(1, p(x)/q(x))``, on
    rejection draw from ``norm(max(0, p - q))``, after a fully accepted prefix draw the
    bonus from ``p``), which preserves the target distribution exactly.
-5. **Roll back** (:meth:`model.engine.Engine.accept`) every cache to its kept tokens,
+5. **Roll back** (:meth:`model.runtime.engine.Engine.accept`) every cache to its kept tokens,
    and extend each drafter context with the kept positions' streams.
 
 SPS(B): the paper profiles one curve over the batch's token count B. This engine runs
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import SequenceCache
-from .dspark import DSparkDrafter, Proposal
+from ..dspark import DSparkDrafter, Proposal
 from .engine import Engine, Tap
 from .sampling import SamplingParams, probabilities
 
@@ -277,7 +277,6 @@ class Calibration:
 def expected_calibration_error(predicted: torch.Tensor, observed: torch.Tensor, bins: int = 10) -> float:
     """ECE of probabilities ``predicted`` [N] against 0/1 outcomes ``observed`` [N], equal-width bins."""
     index = (predicted * bins).long().clamp_(0, bins - 1)
-    count = torch.zeros(bins, dtype=torch.float64).scatter_add_(0, index, torch.ones_like(predicted, dtype=torch.float64))
     pred = torch.zeros(bins, dtype=torch.float64).scatter_add_(0, index, predicted.double())
     obs = torch.zeros(bins, dtype=torch.float64).scatter_add_(0, index, observed.double())
     return float((pred - obs).abs().sum() / max(1, predicted.numel()))

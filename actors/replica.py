@@ -1,0 +1,127 @@
+"""What every replica of the app loads, and the plumbing the pools' deployments share.
+
+:class:`ModelIdentity` (config, tokenizer, state naming) is what the router and every
+replica agree on; :class:`ModelBundle` adds the model, the Engram hasher and an engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import sys
+import time
+from pathlib import Path
+
+from cluster.config import AppConfig
+
+class ModelIdentity:
+    """What the router and every replica agree on: config, tokenizer, state naming."""
+
+    def __init__(self, config: AppConfig):
+        from actors.state import StateNaming
+        from model.chat import Tokenizer
+        from model.config import ModelConfig
+        from model.loader import weights_digest
+        from model.runtime.serialize import StateIdentity
+
+        self.model_config = ModelConfig.load(config.model)
+        text = self.model_config.text
+        self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
+        identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
+        self.naming = StateNaming.of(identity, text, config.chunk_tokens)
+        eos = text.eos_token_id
+        self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
+
+
+class ModelBundle(ModelIdentity):
+    """What every replica loads besides: the model (whole, or the encoder half), the
+    Engram hasher, and an engine."""
+
+    def __init__(self, config: AppConfig, drop_decoder: bool = False):
+        import torch
+
+        from model.runtime.engine import Engine
+        from model.loader import load_checkpoint, load_hasher
+
+        super().__init__(config)
+        torch.set_num_threads(config.threads)
+        checkpoint = load_checkpoint(config.model)
+        model, self.drafter = checkpoint.backbone, checkpoint.drafter
+        self.hasher = load_hasher(config.model, self.model_config)
+        if drop_decoder:
+            model.keep_encoder_only()
+            self.drafter = None
+        self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay)
+
+    def speculation(self, config: AppConfig):
+        """The decoder's :class:`model.runtime.batcher.Speculation`, or None (mode "off", or no
+        drafter in the checkpoint). The scheduled mode profiles its step-cost table here,
+        for batches of 1, 2, 4, ... up to ``max_batch`` requests."""
+        if config.speculation == "off" or self.drafter is None:
+            return None
+        from model.runtime.batcher import Speculation
+        from model.runtime.speculative import Calibration, SpeculativeDrafter, StepCost
+
+        path = Path(config.model) / "dspark_calibration.json"
+        calibration = Calibration.from_dict(json.loads(path.read_text())) if path.exists() else None
+        drafter = SpeculativeDrafter(self.drafter, self.engine, calibration)
+        cost = None
+        if config.speculation == "scheduled":
+            sizes = sorted({min(1 << i, config.max_batch) for i in range(config.max_batch.bit_length() + 1)})
+            cost = StepCost.profile(self.engine, drafter, requests=sizes, max_tokens=drafter.block_size + 1)
+        k = min(config.speculation_k, drafter.block_size)
+        return Speculation(drafter, config.speculation, k=k, cost=cost)
+
+    def store(self, config: AppConfig):
+        from actors.store import StoreSettings, node_store
+
+        settings = StoreSettings(ssd_dir=config.ssd_dir, redis_url=config.redis_url,
+                                 redis_stores_bytes=config.redis_stores_bytes, retention=config.retention())
+        return node_store(settings, self.naming.fingerprint.digest)
+
+
+def node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def prompt_gil_handoff() -> None:
+    """A thread running Python holds the GIL until the interpreter's switch interval
+    (5 ms by default) asks it to let go; a replica's event loop, which waits on
+    sockets and other threads many times per request, gets it back within 0.5 ms."""
+    sys.setswitchinterval(5e-4)
+
+
+def one_thread_executor() -> concurrent.futures.ThreadPoolExecutor:
+    # The engine is not thread-safe: all model work of a replica runs on one thread,
+    # off the event loop (requests in, tokens out).
+    prompt_gil_handoff()
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+
+def engram_rows(engram, metrics):
+    """The engine's ``engram_rows`` callable for a lookup the router started when the
+    prompt arrived (None without one): the answers are dequantised as they arrive,
+    off the engine thread, and awaited only right before the first Engram layer."""
+    if engram is None:
+        return None
+    engram.prepare()
+
+    def rows():
+        start = time.perf_counter()
+        try:
+            return engram.rows()
+        finally:
+            metrics.engram_wait.observe(time.perf_counter() - start)
+
+    return rows
+
+
+def prefilled(handoff, arrived: float, where: str, metrics):
+    """Mark a handoff as prefilled ``where`` ("pool" | "decoder"), arrived at
+    ``arrived`` and done now, and count its prefill time."""
+    handoff.timeline.update(prefill_in=arrived, prefill_out=time.time())
+    handoff.prefilled_by = where
+    metrics.prefill.observe(handoff.prefill_s)
+    return handoff

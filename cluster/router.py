@@ -1,0 +1,340 @@
+"""The router: the app's HTTP ingress, the OpenAI API, the cache plan, the dispatch.
+
+It renders the chat, computes the prompt's chunk keys, asks the Redis index for the
+longest stored prefix and where it lives, and sends the prefill to a replica on that
+node (:mod:`cluster.routing`); the prefill replica loads the prefix from its node's
+store, encodes the new tokens and returns a handoff; the router passes the handoff's
+reference to a decoder replica, which replays, decodes in its continuous batch,
+streams tokens back, and writes the conversation to its node's store when the
+request ends.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime.
+
+import dataclasses
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+from starlette.background import BackgroundTask
+
+from actors.replica import ModelIdentity, prompt_gil_handoff
+from cluster import openai_api as api
+from cluster.config import AppConfig
+
+# A request's trip, mark to mark: (Server-Timing name, from, to).
+_STAGES = (
+    ("parse", "router_in", "rendered"),  # body, validation, chat template, tokens
+    ("plan", "rendered", "planned"),  # the index lookup of the cache plan
+    ("dispatch", "planned", "router_sent"),  # Engram lookup started, calls to the pools sent
+    ("to_prefill", "router_sent", "prefill_in"),
+    ("prefill", "prefill_in", "prefill_out"),  # store reads + encoder (+ executor queue)
+    ("handoff", "prefill_out", "decode_in"),  # result back, decoder call, object transfer
+    ("decode", "decode_in", "decode_out"),  # load, replay, first token
+    ("stream", "decode_out", "first_token"),  # first stream item to the router
+    ("respond", "first_token", "router_out"),
+)
+
+
+def server_timing(marks: dict[str, float], replica_s: float, prefilled_by: str) -> str:
+    """An HTTP ``Server-Timing`` value: each stage of the trip and the replicas' own
+    compute, in milliseconds (stages whose marks are missing are left out); the
+    prefill stage says where it ran (``desc="pool"`` or ``desc="decoder"``)."""
+    parts = []
+    for name, a, b in _STAGES:
+        if a in marks and b in marks:
+            desc = f';desc="{prefilled_by}"' if name == "prefill" and prefilled_by else ""
+            parts.append(f"{name};dur={1e3 * (marks[b] - marks[a]):.3f}{desc}")
+    return ", ".join(parts + [f"compute;dur={1e3 * replica_s:.3f}"])
+
+
+def parse_server_timing(header: str) -> tuple[dict[str, float], dict[str, str]]:
+    """A ``Server-Timing`` value -> ({name: ms}, {name: desc})."""
+    durations, descriptions = {}, {}
+    for part in header.split(","):
+        name, *params = part.strip().split(";")
+        for key, _, value in (param.partition("=") for param in params):
+            if key == "dur":
+                durations[name] = float(value)
+            elif key == "desc":
+                descriptions[name] = value.strip('"')
+    return durations, descriptions
+
+
+fastapi_app = FastAPI(title="v41", docs_url=None, redoc_url=None)
+
+
+@serve.deployment(max_ongoing_requests=256)
+@serve.ingress(fastapi_app)
+class Router:
+    """The OpenAI-compatible ingress: tokenise, plan the cache, route, stream."""
+
+    def __init__(self, config: AppConfig, prefill, decoder):
+        from cluster.metrics import RouterMetrics
+        from model.chat import ChatTemplate
+
+        prompt_gil_handoff()
+        self.config = config
+        # How each call travels. The prefill's answer goes to the decoder by reference:
+        # the handoff moves between the replicas through the object store, not through
+        # the router. A short prompt's call carries only the plan and goes by gRPC
+        # (~3.5 ms less per request than a Ray actor call on two cores).
+        self.prefill = prefill.options(_by_reference=True)
+        self.decoder = decoder.options(stream=True, _by_reference=True)
+        self.decoder_direct = decoder.options(stream=True, _by_reference=False)
+        model = ModelIdentity(config)
+        self.model_config, self.tokenizer = model.model_config, model.tokenizer
+        # It remembers the ids of the long messages it tokenised, up to 4M tokens (~50 MB
+        # with their texts): a returning turn re-renders its whole history.
+        self.template = ChatTemplate(self.tokenizer, memo_tokens=4 << 20)
+        self.naming = model.naming
+        self.metrics = RouterMetrics()
+        self.index = None
+        if config.redis_url:
+            from storage.index import RedisIndex
+            from storage.redis_link import RedisLink
+
+            link = RedisLink(config.redis_url, namespace="v41", timeout_s=0.5, retry_s=1.0)
+            self.index = RedisIndex(link, key_ttl_s=config.chunk_retention_hours * 3600)
+        # Recent answers' exact token ids by their text, so that the next turn of a
+        # conversation re-renders them verbatim and its prefix stays cached.
+        self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
+        self.think_end = self.tokenizer.special.think_end
+        self.engram, self.hasher = None, None
+        if config.engram_shards:
+            import ray
+
+            from actors.engram import EngramServiceConfig, shared_engram_service
+            from model.loader import load_hasher
+
+            self.hasher = load_hasher(config.model, self.model_config)
+            holder = shared_engram_service(EngramServiceConfig(
+                checkpoint=str(Path(config.model).resolve()), n_shards=config.engram_shards,
+                replicas=config.engram_replicas, resource=config.engram_resource, num_cpus=config.engram_cpus))
+            self.engram = ray.get(holder.client.remote())
+
+    # ------------------------------------------------------------------ plumbing
+    def _authorize(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {self.config.api_key}":
+            raise api.ApiError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
+
+    def _plan(self, tokens: list[int]):
+        """Which leading chunks of the prompt are stored, where, and which window state
+        after them the index knows of (one Redis round trip, two after a gap)."""
+        from actors.state import CachePlan
+        from storage.policy import TierName
+
+        keys = self.naming.chunks(tokens)
+        named = tuple(keys)
+        if self.index is None:
+            return CachePlan(tuple(tokens), len(keys), chunk_keys=named)  # one node: its store knows
+        size = self.naming.chunk_tokens
+        usable = max(0, min(len(keys), (len(tokens) - 1) // size))  # the prefill encodes the last token
+        windows = self.naming.window_candidates(tokens[:-1], usable * size, named)
+        now = time.time()
+        located = self.index.locate(keys + [key for _, key in windows], now)
+        if located is None:  # Redis away: nothing known, the prefill's store decides
+            return CachePlan(tuple(tokens), 0, chunk_keys=named)
+        found_windows = located[len(keys):]
+        depth = 0
+        while depth < len(keys) and located[depth]:
+            depth += 1
+        if depth < usable:  # a gap: the windows after the stored run instead
+            windows = self.naming.window_candidates(tokens[:-1], depth * size, named)
+            found_windows = self.index.locate([key for _, key in windows], now)
+            if found_windows is None:
+                return CachePlan(tuple(tokens), depth, chunk_keys=named)
+        known = tuple((window, locations) for window, locations in zip(windows, found_windows) if locations)
+        best = [known[0][1]] if known else []
+        if depth:
+            best.append(located[depth - 1])
+        order = sorted((loc for locations in best for loc in locations),
+                       key=lambda loc: (loc.tier is not TierName.RAM, loc.tier is not TierName.SSD))
+        nodes = tuple(dict.fromkeys(loc.node_id for loc in order if loc.node_id != "*"))
+        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named)
+
+    def _render(self, request: api.GenerationRequest) -> list[int]:
+        if request.prompt is not None:
+            if isinstance(request.prompt, tuple):
+                return list(request.prompt)
+            return [self.tokenizer.special.bos] + self.tokenizer.encode(request.prompt)
+        messages = []
+        for message in request.messages:
+            known = self.answers.get((message.reasoning, message.content)) if message.role == "assistant" else None
+            messages.append(dataclasses.replace(message, token_ids=known) if known else message)
+        try:
+            return self.template.render(messages, thinking=request.thinking, effort=request.effort)
+        except ValueError as error:
+            raise api.ApiError(400, str(error), "messages") from None
+
+    def _remember(self, reasoning: str | None, content: str, tokens: list[int]) -> None:
+        self.answers[(reasoning, content)] = tuple(tokens)
+        while len(self.answers) > 4096:
+            self.answers.popitem(last=False)
+
+    async def _events(self, request: api.GenerationRequest, tokens: list[int], rid: str, marks: dict[str, float]):
+        if len(tokens) + request.params.max_tokens > self.config.max_model_len:
+            raise api.ApiError(400, f"this request needs {len(tokens) + request.params.max_tokens} tokens; the "
+                               f"context is {self.config.max_model_len}", "messages", code="context_length_exceeded")
+        marks["rendered"] = time.time()
+        plan = self._plan(tokens)
+        marks["planned"] = time.time()
+        lookup = None
+        if self.engram is not None:  # start fetching the rows now: they arrive while layer 0 runs
+            import torch
+
+            lookup = self.engram.start(self.hasher.hash_ids(torch.tensor([tokens]))[0][0])
+        if plan.cached_chunks == 0 and plan.windows == () and len(tokens) <= self.config.local_prefill_tokens:
+            # Nothing stored and a short prompt: the decoder encodes it itself, sparing
+            # two hops and a handoff (its batch waits about one step for it).
+            # (An Engram lookup holds object refs: those travel by reference.)
+            decoder = self.decoder_direct if lookup is None else self.decoder
+            return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup)
+        handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes), engram=lookup)
+        return self.decoder.generate.remote(handoff, request.params, rid)
+
+    # ------------------------------------------------------------------ endpoints
+    @fastapi_app.get("/health")
+    async def health(self):
+        return PlainTextResponse("ok")
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self._authorize(request)
+        except api.ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return {"object": "list", "data": [{"id": self.config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "v41"}]}
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self._serve(request, chat=True)
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: Request, chat: bool):
+        endpoint, start, arrived = ("chat" if chat else "completions"), time.perf_counter(), time.time()
+        try:
+            self._authorize(request)
+            data = api.parse_json(await request.body())
+            if chat:
+                parsed = api.parse_chat(data, self.config.model_name, self.config.max_tokens_default)
+            else:
+                parsed = api.parse_completion(data, self.config.model_name, self.config.max_tokens_default,
+                                              self.model_config.text.vocab_size)
+            tokens = self._render(parsed)
+            rid = api.new_id("chatcmpl" if chat else "cmpl")
+            marks = {"router_in": arrived}
+            stream = await self._events(parsed, tokens, rid, marks)
+            marks["router_sent"] = time.time()
+        except api.ApiError as error:
+            self.metrics.record(endpoint, str(error.status))
+            return JSONResponse(error.body(), status_code=error.status)
+        if parsed.stream:
+            return StreamingResponse(self._sse(stream, parsed, rid, chat, start), media_type="text/event-stream")
+        try:
+            result = await self._collect(stream, parsed, start)
+        except Exception as error:  # the decoder died or failed: a clear error, nothing cached
+            self.metrics.record(endpoint, "503")
+            body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
+            return JSONResponse(body, status_code=503)
+        # Counted once the response is out (Ray metrics cost ~0.1 ms a request).
+        counted = BackgroundTask(self._count, endpoint, "200", len(tokens), result["cached"],
+                                 len(result["tokens"]), result["ttft"], time.perf_counter() - start)
+        usage = api.usage(len(tokens), len(result["tokens"]), result["cached"])
+        if chat:
+            body = api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
+                                     result["finish"], usage)
+        else:
+            body = api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage)
+        # Time the replicas spent computing the first token (prefill, replay, sample), and
+        # where the rest of the request's time went (Server-Timing, milliseconds).
+        marks.update(result["timeline"], router_out=time.time())
+        return JSONResponse(body, background=counted,
+                            headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
+                                     "server-timing": server_timing(marks, result["replica_s"], result["prefilled_by"])})
+
+    async def _count(self, *args) -> None:
+        """``metrics.record`` as a coroutine: Starlette would run a plain function in a
+        worker thread, one more thread for the event loop to share the GIL with."""
+        self.metrics.record(*args)
+
+    async def _collect(self, stream, request: api.GenerationRequest, start: float) -> dict:
+        tokens, parts, reasoning_parts, cached, finish, replica_s = [], [], [], 0, "stop", 0.0
+        in_thinking, ttft, timeline, prefilled_by = request.thinking, None, {}, ""
+        async for event in stream:
+            if "cached_tokens" in event:
+                cached, replica_s, prefilled_by = event["cached_tokens"], event["replica_s"], event["prefilled_by"]
+                timeline = {**event["timeline"], "first_token": time.time()}
+                ttft = time.perf_counter() - start
+            tokens.append(event["token_id"])
+            if in_thinking and event["token_id"] == self.think_end:
+                in_thinking = False
+            elif in_thinking:
+                reasoning_parts.append(event["text"])
+            else:
+                parts.append(event["text"])
+            if event["finish_reason"]:
+                finish = event["finish_reason"]
+                break  # the request's last token: do not wait for the stream to close
+        content = "".join(parts)
+        reasoning = "".join(reasoning_parts) if request.thinking else None
+        if request.messages:
+            self._remember(reasoning, content, tokens)
+        return {"tokens": tokens, "content": content, "reasoning": reasoning, "cached": cached, "finish": finish,
+                "replica_s": replica_s, "ttft": ttft, "timeline": timeline, "prefilled_by": prefilled_by}
+
+    async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool, start: float):
+        model, prompt_tokens, cached, tokens, ttft = self.config.model_name, 0, 0, [], None
+        endpoint = "chat" if chat else "completions"
+        in_thinking = request.thinking
+        parts, reasoning_parts = [], []
+        try:
+            if chat:
+                yield api.sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
+            async for event in stream:
+                if "cached_tokens" in event:
+                    cached, prompt_tokens = event["cached_tokens"], event["prompt_tokens"]
+                    ttft = time.perf_counter() - start
+                tokens.append(event["token_id"])
+                text = event["text"]
+                if in_thinking and event["token_id"] == self.think_end:
+                    in_thinking, text = False, ""
+                    delta = None
+                elif in_thinking:
+                    reasoning_parts.append(text)
+                    delta = {"reasoning_content": text}
+                else:
+                    parts.append(text)
+                    delta = {"content": text}
+                finish = event["finish_reason"]
+                if chat:
+                    if delta is not None and (text or finish):
+                        yield api.sse(api.chat_chunk(rid, model, delta, finish))
+                    elif finish:
+                        yield api.sse(api.chat_chunk(rid, model, {}, finish))
+                else:
+                    yield api.sse(api.completion_chunk(rid, model, text, finish))
+                if finish:
+                    break  # the request's last token: do not wait for the stream to close
+            if request.include_usage:
+                usage = api.usage(prompt_tokens, len(tokens), cached)
+                chunk = api.chat_chunk(rid, model, None, None, usage) if chat else \
+                    api.completion_chunk(rid, model, None, None, usage)
+                yield api.sse(chunk)
+            if request.messages:
+                self._remember("".join(reasoning_parts) if request.thinking else None, "".join(parts), tokens)
+            self.metrics.record(endpoint, "200", prompt_tokens, cached, len(tokens), ttft, time.perf_counter() - start)
+        except Exception as error:  # mid-stream failure: tell the client, end the stream
+            self.metrics.record(endpoint, "503")
+            yield api.sse(api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body())
+        yield api.sse("[DONE]")
