@@ -155,17 +155,23 @@ def test_expired_window_state_falls_back_to_the_encoder_replay(pools, golden_pro
     assert warm.stored_chunks == warm.cached_tokens // CHUNK and len(tokens) == 4
 
 
-def test_corrupt_chunk_reads_as_a_miss(pools, golden_prompts):
+def test_a_chunk_corrupted_on_disk_reads_as_a_miss(pools, golden_prompts, tmp_path):
     engine, store, naming = pools
     prompt = golden_prompts[2][:200]
     _run(engine, store, naming, prompt, n=2)
-    store.flush(timeout=10)
+    assert store.flush(timeout=10)
     keys = naming.chunks(prompt)
-    blob = bytearray(store.get(keys[1]))
-    blob[-1] ^= 0xFF
-    store.put(keys[1], bytes(blob))  # well-enveloped bytes of a bad chunk
-    prefill = PrefillService(engine, store, naming)
-    handoff = prefill.prefill(CachePlan(tuple(prompt + [7]), len(keys)))
+    path = next((tmp_path / "ssd").rglob(keys[1].hex + "*"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # a flipped bit of the chunk's last scale byte, on disk
+    path.write_bytes(bytes(data))
+    # A store that reads from the SSD (no RAM copy), as after a restart.
+    cold = TieredStore(StoreConfig(node_id="n1", ssd_dir=tmp_path / "ssd",
+                                   retention=RetentionPolicy(ram_capacity_bytes=0)), Fingerprint(naming.identity.model))
+    try:
+        handoff = PrefillService(engine, cold, naming).prefill(CachePlan(tuple(prompt + [7]), len(keys)))
+    finally:
+        cold.close()
     assert handoff.stored_chunks == 1 and handoff.cached_tokens == CHUNK
 
 

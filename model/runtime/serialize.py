@@ -8,17 +8,20 @@ every layer, the hidden states of incomplete pooling groups, the Engram n-gram
 context, and the long-range rows past the last whole chunk — is one window-state
 object (short-lived: host RAM only in V4.1).
 
-Every object is ``header | payload``. The 96-byte header (little-endian)::
+Every object is ``header | payload``: a versioned layout header, then raw rows in the
+cache formats and little-endian integers (nothing is unpickled). The 40-byte header
+(little-endian)::
 
-    0   4  magic b"V41S"          4   2  format version       6   1  kind (1 chunk, 2 window)
-    7   1  reserved               8  16  model fingerprint   24  16  tokenizer fingerprint
-    40 16  layout fingerprint     56  8  first token position 64  8  tokens covered
-    72  8  payload bytes          80  8  XXH3-64 of the payload
-    88  8  XXH3-64 of bytes 0..87
+    0   4  magic b"V41S"          4   2  layout version       6   1  kind (1 chunk, 2 window)
+    7   1  reserved               8  16  layout fingerprint  24  8  first token position
+    32  8  tokens covered
 
-Any mismatch (magic, version, kind, fingerprints, lengths, checksums) raises
-:class:`StateError`, which callers treat as a cache miss. Nothing is unpickled:
-payloads are raw rows in the cache formats and little-endian integers.
+Integrity and identity are the store's: every object that rests in a storage tier is
+sealed by :mod:`storage.codec` (XXH3 of the payload, the model fingerprint, the
+object's key), which turns a torn or foreign object into a miss before it gets here.
+This layer checks what only it can: the layout version and fingerprint, the kind,
+the positions, and that the payload holds exactly its contents; any mismatch raises
+:class:`StateError`, which callers treat as a cache miss.
 """
 
 from __future__ import annotations
@@ -31,22 +34,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from .cache import PackedRows, SequenceCache
 from ..config import TextConfig
 from ..formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
 
 MAGIC = b"V41S"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1 also carried checksums and the model's identity (the store's now)
 CHUNK, WINDOW = 1, 2
-_HEADER = struct.Struct("<4sHBx16s16s16sqqqQ")
-_HEADER_CHECK = struct.Struct("<Q")
-HEADER_BYTES = _HEADER.size + _HEADER_CHECK.size  # 96
+_HEADER = struct.Struct("<4sHBx16sqq")
+HEADER_BYTES = _HEADER.size  # 40
 
 
 class StateError(ValueError):
-    """Serialized state that is corrupt, truncated, or from another model/tokenizer/layout."""
+    """Serialized state that is malformed, of another layout, or out of place."""
 
 
 def _digest(data: bytes) -> bytes:
@@ -55,8 +56,9 @@ def _digest(data: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class StateIdentity:
-    """What a serialized object must match to be read back: the model (config and
-    weights), the tokenizer, and the byte layout of the caches."""
+    """Who may share cache bytes: the model (config and weights: the store's
+    fingerprint, in every key and envelope), the tokenizer, and the byte layout of the
+    caches (in every serialized object's header)."""
 
     model: bytes
     tokenizer: bytes
@@ -100,32 +102,25 @@ def chunk_granularity(config: TextConfig) -> int:
 
 
 def _seal(kind: int, identity: StateIdentity, start: int, tokens: int, payload: bytes) -> bytes:
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, identity.model, identity.tokenizer, identity.layout,
-                          start, tokens, len(payload), xxhash.xxh3_64_intdigest(payload))
-    return header + _HEADER_CHECK.pack(xxhash.xxh3_64_intdigest(header)) + payload
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, kind, identity.layout, start, tokens) + payload
 
 
 def _open(blob: bytes, kind: int, identity: StateIdentity) -> tuple[int, int, memoryview]:
-    """Verify an object; returns (first position, tokens, payload)."""
+    """Check an object's header; returns (first position, tokens, payload). The payload's
+    readers check that it holds exactly its contents."""
     if len(blob) < HEADER_BYTES:
         raise StateError("truncated header")
     view = memoryview(blob)
-    header = bytes(view[: _HEADER.size])
-    if _HEADER_CHECK.unpack_from(view, _HEADER.size)[0] != xxhash.xxh3_64_intdigest(header):
-        raise StateError("header checksum mismatch")
-    magic, version, got_kind, model, tokenizer, layout, start, tokens, size, checksum = _HEADER.unpack(header)
+    magic, version, got_kind, layout, start, tokens = _HEADER.unpack_from(view)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise StateError(f"not a v{FORMAT_VERSION} state object")
     if got_kind != kind:
         raise StateError(f"expected object kind {kind}, found {got_kind}")
-    if (model, tokenizer, layout) != (identity.model, identity.tokenizer, identity.layout):
-        raise StateError("state of another model, tokenizer or cache layout")
-    payload = view[HEADER_BYTES:]
-    if len(payload) != size:
-        raise StateError(f"payload of {len(payload)} bytes, header says {size}")
-    if xxhash.xxh3_64_intdigest(payload) != checksum:
-        raise StateError("payload checksum mismatch")
-    return start, tokens, payload
+    if layout != identity.layout:
+        raise StateError("state of another cache layout")
+    if start < 0 or tokens < 0:
+        raise StateError("negative positions")
+    return start, tokens, view[HEADER_BYTES:]
 
 
 class _Reader:
