@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from ray import serve
@@ -27,6 +28,7 @@ from model.runtime.cache import SequenceCache
 from model.runtime.engine import DecoderInput, Engine
 from model.runtime.sampling import SamplingParams
 from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
+from storage.keys import ObjectKey
 
 from .prefill import StoreLike, read_through
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
@@ -53,11 +55,13 @@ class DecoderService:
         self._pending: list[tuple[Handoff, SequenceCache, list[int]]] = []
         self.last_admit_s = 0.0
 
-    def admit(self, request_id: str, handoff: Handoff, params: SamplingParams) -> TokenEvent:
-        """Load a handoff, replay the decoder half, and return the first token."""
+    def admit(self, request_id: str, handoff: Handoff, params: SamplingParams,
+              prefix: list[bytes | None] | None = None) -> TokenEvent:
+        """Load a handoff, replay the decoder half, and return the first token.
+        ``prefix``: the stored prefix's chunks, if already fetched (in order)."""
         cache = handoff.cache
         if cache is None:
-            cache = self._load_prefix(handoff)
+            cache = self._load_prefix(handoff, prefix)
             load_window(cache, handoff.state, self.naming.identity)
         inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids,
                               handoff.replay_engram_ids)
@@ -70,14 +74,21 @@ class DecoderService:
             if request_id not in self.batcher.running:
                 self._requests.pop(request_id, None)
 
-    def _load_prefix(self, handoff: Handoff) -> SequenceCache:
-        """A cache holding the stored chunks the handoff names: from this node's store,
-        else from the node that served them (and kept here for the next turn)."""
+    def _load_prefix(self, handoff: Handoff, fetched: list[bytes | None] | None = None) -> SequenceCache:
+        """A cache holding the stored chunks the handoff names: those ``fetched`` already,
+        the rest from this node's store, else from the node that served them (and kept
+        here for the next turn)."""
         cache = self.engine.new_cache()
         keys = list(handoff.chunk_keys[: handoff.stored_chunks])
         if not keys:
             return cache
-        blobs = read_through(self.store, self.peers, keys, [handoff.prefix_node])
+        blobs = list(fetched[: len(keys)]) if fetched else []
+        blobs += [None] * (len(keys) - len(blobs))
+        missing = [i for i, blob in enumerate(blobs) if blob is None]
+        if missing:
+            for i, blob in zip(missing, read_through(self.store, self.peers, [keys[i] for i in missing],
+                                                     [handoff.prefix_node])):
+                blobs[i] = blob
         loaded = load_chunks(cache, itertools.takewhile(bool, blobs), self.naming.identity)
         if loaded < len(keys):
             raise PrefixUnavailable(f"{len(keys) - loaded} of the {len(keys)} stored chunks of the prompt are gone "
@@ -150,15 +161,34 @@ class DecoderPool:
         self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stepping: asyncio.Task | None = None
+        self.store = store
+        self.prefetched: OrderedDict[ObjectKey, asyncio.Future] = OrderedDict()
+
+    async def prefetch(self, keys: tuple[ObjectKey, ...]) -> None:
+        """Start reading a returning turn's stored prefix from this node's store while
+        the prefill pool encodes the turn (the router sends it with the prefill): the
+        handoff that follows finds its chunks here. Kept for the last 16 prefixes."""
+        if keys and keys[-1] not in self.prefetched:
+            self.prefetched[keys[-1]] = asyncio.ensure_future(self.store.handle.get_many.remote(list(keys)))
+            while len(self.prefetched) > 16:
+                self.prefetched.popitem(last=False)[1].cancel()
 
     async def generate(self, handoff, params, request_id: str):
         """Yields one dict per generated token; the first also carries ``cached_tokens``,
         ``prompt_tokens`` and ``replica_s`` (one stream item fewer per request)."""
         arrived = time.time()
+        prefix = None
+        if handoff.stored_chunks:
+            fetch = self.prefetched.pop(handoff.chunk_keys[handoff.stored_chunks - 1], None)
+            if fetch is not None:
+                try:
+                    prefix = await fetch
+                except Exception:  # the store actor was away: the admission reads it itself
+                    prefix = None
 
         def admit():
             handoff.timeline["decode_in"] = arrived
-            return handoff, self.service.admit(request_id, handoff, params)
+            return handoff, self.service.admit(request_id, handoff, params, prefix)
 
         async for event in self._decode(request_id, admit):
             yield event

@@ -85,6 +85,7 @@ class Router:
         self.prefill = prefill.options(_by_reference=True)
         self.decoder = decoder.options(stream=True, _by_reference=True)
         self.decoder_direct = decoder.options(stream=True, _by_reference=False)
+        self.decoder_prefetch = decoder.options(_by_reference=False)
         model = ModelIdentity(config)
         self.model_config, self.tokenizer = model.model_config, model.tokenizer
         # It remembers the ids of the long messages it tokenised, up to 4M tokens (~50 MB
@@ -196,6 +197,9 @@ class Router:
             # (An Engram lookup holds object refs: those travel by reference.)
             decoder = self.decoder_direct if lookup is None else self.decoder
             return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup)
+        stored = min(plan.cached_chunks, (len(tokens) - 1) // self.naming.chunk_tokens)
+        if stored and plan.chunk_keys:  # the decoder reads the stored prefix while the prefill runs
+            self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored])
         handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes), engram=lookup)
         return self.decoder.generate.remote(handoff, request.params, rid)
 

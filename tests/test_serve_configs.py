@@ -30,7 +30,7 @@ def test_app_arguments_are_validated():
         AppConfig.from_args({"modle": "x"})
     with pytest.raises(ValueError, match="decoder_replicas"):
         AppConfig.from_args({"decoder_replicas": 0})
-    with pytest.raises(ValueError, match="speculation must be one of off, fixed, scheduled"):
+    with pytest.raises(ValueError, match="speculation must be one of off, fixed or scheduled"):
         AppConfig.from_args({"speculation": "always"})
     with pytest.raises(ValueError, match="speculation_k"):
         AppConfig.from_args({"speculation_k": -1})

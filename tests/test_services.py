@@ -123,8 +123,8 @@ def test_a_decoder_reads_a_prefix_it_lacks_from_the_node_that_served_it(pools, g
     handoff, prompt = _returning_handoff(engine, store, naming, golden_prompts[2][:170])
     params = SamplingParams(temperature=0.0, max_tokens=6)
 
-    def decode(decoder):
-        events = [decoder.admit("r", handoff, params)]
+    def decode(decoder, prefix=None):
+        events = [decoder.admit("r", handoff, params, prefix)]
         while decoder.running:
             events += decoder.step()
         return [e.token_id for e in events]
@@ -139,6 +139,11 @@ def test_a_decoder_reads_a_prefix_it_lacks_from_the_node_that_served_it(pools, g
         assert decode(DecoderService(engine, elsewhere, naming, peers={"n1": store}.get)) == here
         # What it fetched is now on its own node: the next decoder there needs no peer.
         assert decode(DecoderService(engine, elsewhere, naming)) == here
+        # Chunks fetched beforehand (the pool's prefetch while the prefill runs), one
+        # missing: it comes from the store.
+        fetched = store.get_many(list(handoff.chunk_keys[: handoff.stored_chunks]))
+        fetched[-1] = None
+        assert decode(DecoderService(engine, elsewhere, naming), prefix=fetched) == here
     finally:
         elsewhere.close()
 

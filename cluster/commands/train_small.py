@@ -22,11 +22,9 @@ import json
 import math
 import os
 import shutil
-import struct
 import sys
 import sysconfig
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,7 +268,6 @@ def _format_time(seconds: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
     import torch
 
     from cluster.cli import UserError
@@ -495,89 +492,36 @@ def samples(directory: Path, max_new_tokens: int = 96) -> str:
 # ---------------------------------------------------------------------- the loss plot
 
 
-_DIGITS = {  # 3x5 glyphs, rows top to bottom
-    "0": ("111", "101", "101", "101", "111"), "1": ("010", "110", "010", "010", "111"),
-    "2": ("111", "001", "111", "100", "111"), "3": ("111", "001", "111", "001", "111"),
-    "4": ("101", "101", "111", "001", "001"), "5": ("111", "100", "111", "001", "111"),
-    "6": ("111", "100", "111", "101", "111"), "7": ("111", "001", "010", "010", "010"),
-    "8": ("111", "101", "111", "101", "111"), "9": ("111", "101", "111", "001", "111"),
-}
-
-
 def write_loss_png(path: Path, log: dict, baseline: float, width: int = 640, height: int = 400) -> None:
-    """Loss curve as a PNG without a plotting dependency: the training loss (light: per
-    step, dark: a running mean over 1/30 of the steps), held-out evaluations (red squares), and the
-    unigram baseline (dashed grey). y: nats/token from 0, a grid line and label every nat;
-    x: steps from 0, a tick every 10% and the last step's number at the right."""
+    """The loss curve (matplotlib, no display): the training loss per step (light) and
+    its running mean over 1/30 of the steps (dark), the held-out evaluations (red
+    squares), the unigram baseline (dashed grey); nats/token from 0 against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     import numpy as np
 
-    image = np.full((height, width, 3), 255, dtype=np.uint8)
-    left, right, top, bottom = 40, width - 12, 10, height - 30
-    steps = max(1, log["steps"][-1] if log["steps"] else 1)
-    y_max = math.ceil(max([baseline + 1.0, *log["loss"]]))
-
-    def xy(step, loss):
-        x = left + (right - left) * step / steps
-        y = bottom - (bottom - top) * min(max(loss, 0.0), y_max) / y_max
-        return x, y
-
-    def line(p, q, color, dash=0):
-        n = int(max(abs(q[0] - p[0]), abs(q[1] - p[1]))) + 1
-        for i in range(n + 1):
-            if dash and (i // dash) % 2:
-                continue
-            t = i / n
-            x, y = int(round(p[0] + (q[0] - p[0]) * t)), int(round(p[1] + (q[1] - p[1]) * t))
-            if 0 <= x < width and 0 <= y < height:
-                image[y, x] = color
-
-    def label(text: str, x: int, y: int, scale: int = 2):
-        """Digits with their top-left corner at (x, y)."""
-        for k, char in enumerate(text):
-            for r, row in enumerate(_DIGITS[char]):
-                for c, bit in enumerate(row):
-                    if bit == "1":
-                        x0, y0 = x + (k * 4 + c) * scale, y + r * scale
-                        image[y0 : y0 + scale, x0 : x0 + scale] = (0, 0, 0)
-
-    for nat in range(0, y_max + 1):
-        y = xy(0, nat)[1]
-        line(xy(0, nat), xy(steps, nat), (225, 225, 225))
-        line((left - 5, y), (left, y), (0, 0, 0))
-        label(str(nat), left - 8 - 8 * len(str(nat)), int(y) - 5)
-    for tenth in range(11):
-        x = left + (right - left) * tenth / 10
-        line((x, bottom), (x, bottom + 5), (0, 0, 0))
-    label("0", left - 3, bottom + 9)
-    label(str(steps), right - 8 * len(str(steps)) + 3, bottom + 9)
-    line((left, top), (left, bottom), (0, 0, 0))
-    line((left, bottom), (right, bottom), (0, 0, 0))
-    line(xy(0, baseline), xy(steps, baseline), (120, 120, 120), dash=6)
-    losses = np.asarray(log["loss"], dtype=np.float64)
-    points = [xy(s, l) for s, l in zip(log["steps"], losses)]
-    for p, q in zip(points, points[1:]):
-        line(p, q, (170, 200, 240))
-    if len(losses):
-        kernel = max(5, len(losses) // 30)
-        cumulative = np.cumsum(np.insert(losses, 0, 0.0))
-        smooth = [(cumulative[i + 1] - cumulative[max(0, i + 1 - kernel)]) / (i + 1 - max(0, i + 1 - kernel))
-                  for i in range(len(losses))]
-        points = [xy(s, l) for s, l in zip(log["steps"], smooth)]
-        for p, q in zip(points, points[1:]):
-            line(p, q, (20, 60, 160))
-    for s, l in log["eval"]:
-        x, y = xy(s, l)
-        image[max(0, int(y) - 3) : int(y) + 4, max(0, int(x) - 3) : int(x) + 4] = (220, 30, 30)
-    path.write_bytes(encode_png(image))
-
-
-def encode_png(image) -> bytes:
-    """RGB uint8 [H, W, 3] -> PNG bytes (zlib + struct)."""
-    height, width, _ = image.shape
-    raw = b"".join(b"\x00" + image[y].tobytes() for y in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    steps, loss = np.asarray(log["steps"], dtype=float), np.asarray(log["loss"], dtype=float)
+    dpi = 100
+    figure, axes = plt.subplots(figsize=(width / dpi, height / dpi), dpi=dpi)
+    try:
+        axes.plot(steps, loss, color="#9ecae1", linewidth=0.8, label="training loss")
+        if len(loss):
+            k = max(1, len(loss) // 30)
+            mean = np.convolve(loss, np.ones(k) / k, mode="valid")
+            axes.plot(steps[k - 1 :], mean, color="#08519c", linewidth=1.5, label=f"running mean ({k} steps)")
+        if log.get("eval"):
+            at, held = zip(*log["eval"])
+            axes.plot(at, held, "s", color="#cb181d", markersize=4, label="held-out")
+        axes.axhline(baseline, color="grey", linestyle="--", linewidth=1, label="unigram baseline")
+        axes.set_ylim(0, max([baseline + 1.0, *loss]) if len(loss) else baseline + 1.0)
+        axes.set_xlim(0, max(1.0, steps[-1] if len(steps) else 1.0))
+        axes.set_xlabel("step")
+        axes.set_ylabel("nats / token")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+        figure.tight_layout()
+        figure.savefig(path, format="png")
+    finally:
+        plt.close(figure)
