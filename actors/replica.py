@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cluster.config import AppConfig
 
+
 class ModelIdentity:
     """What the router and every replica agree on: config, tokenizer, state naming."""
 
@@ -40,8 +41,8 @@ class ModelBundle(ModelIdentity):
     def __init__(self, config: AppConfig, drop_decoder: bool = False):
         import torch
 
-        from model.runtime.engine import Engine
         from model.loader import load_checkpoint, load_hasher
+        from model.runtime.engine import Engine
 
         super().__init__(config)
         torch.set_num_threads(config.threads)

@@ -16,6 +16,7 @@ from actors.prefill import PrefillPool
 from cluster.config import AppConfig
 from cluster.router import Router
 
+
 def build_app(args: dict[str, Any] | None = None):
     """The application: ``serve run cluster.app:build_app key=value ...`` or a YAML's ``args``."""
     config = AppConfig.from_args(args)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import SequenceCache
 from ..chat import IncrementalDetokenizer, Tokenizer
+from .cache import SequenceCache
 from .engine import DecoderInput, Engine
 from .sampling import SamplingParams, StopChecker, make_generator, sample
 from .speculative import MODES, DraftContext, SpecMetrics, SpeculativeDrafter, StepCost, accept_tokens, schedule

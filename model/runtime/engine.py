@@ -40,10 +40,10 @@ import torch
 
 from .. import mhc
 from ..attention import candidate_entries, top_k
-from .cache import SequenceCache
 from ..config import AttentionMode
 from ..engram import NgramContext, NgramHasher
 from ..transformer import Block, Transformer
+from .cache import SequenceCache
 
 
 @dataclass

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import PackedRows, SequenceCache
 from ..config import TextConfig
 from ..formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
+from .cache import PackedRows, SequenceCache
 
 MAGIC = b"V41S"
 FORMAT_VERSION = 2  # 1 also carried checksums and the model's identity (the store's now)
@@ -271,8 +271,8 @@ def load_window(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> N
 
     Verifies and parses everything first: on error the cache is unchanged.
     """
-    from .cache import PackedRows, Window
     from ..engram import NgramContext
+    from .cache import PackedRows, Window
 
     chunked, tokens, payload = _open(blob, WINDOW, identity)
     if chunked != cache.length:

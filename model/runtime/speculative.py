@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import SequenceCache
 from ..dspark import DSparkDrafter, Proposal
+from .cache import SequenceCache
 from .engine import Engine, Tap
 from .sampling import SamplingParams, probabilities
 
