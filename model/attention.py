@@ -25,6 +25,8 @@ engine calls the same methods over its caches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,12 +108,15 @@ class Indexer(nn.Module):
         return INDEXER_KEY.fake_quant(self.keys_raw(latent, cos, sin))
 
     def scores(
-        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor
+        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+        quantize: Callable[[torch.Tensor], torch.Tensor] = INDEXER_KEY.fake_quant,
     ) -> torch.Tensor:
         """Scores [B, S, T] of queries (hidden ``x`` [B, S, D]) against ``keys``: shared
-        [B, T, d], or per query [B, S, T, d] (a Reindex layer scoring its candidates)."""
+        [B, T, d], or per query [B, S, T, d] (a Reindex layer scoring its candidates).
+        ``quantize`` puts the queries in the keys' FP4 format (training passes its
+        straight-through version)."""
         q = self.wq_b(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
-        q = INDEXER_KEY.fake_quant(apply_rotary(q, cos, sin))
+        q = quantize(apply_rotary(q, cos, sin))
         pattern = "bshd,btd->bsht" if keys.ndim == 3 else "bshd,bstd->bsht"
         per_head = torch.einsum(pattern, q.float(), keys.float()).relu_() * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5

@@ -241,13 +241,12 @@ class DSparkDrafter(nn.Module):
             dim=-1,
         )  # [B, K, T + K]: the window before the anchor, and the whole block both ways
         for block, context in zip(self.mtp, entries):
-            attn_pre, attn_post, attn_comb = block.mixes(streams, "attn")
-            h = block.attn_norm(mhc.collapse(streams, pre))
-            q, _ = block.attn.queries(h, cos, sin)
-            keys = torch.cat((context.to(h.dtype), _window_entries(block, h, cos, sin)), dim=1)
-            out = block.attn.output(block.attn.attend(q, keys, mask), cos, sin)
-            streams = mhc.expand(out, streams, attn_post, attn_comb)
-            streams, pre = block.ffn_sublayer(streams, attn_pre, None)
+            def attend(h, block=block, context=context):
+                q, _ = block.attn.queries(h, cos, sin)
+                keys = torch.cat((context.to(h.dtype), _window_entries(block, h, cos, sin)), dim=1)
+                return block.attn.output(block.attn.attend(q, keys, mask), cos, sin)
+
+            streams, pre = block(streams, pre, attend)
         hidden = mhc.collapse(streams, pre).float()
         logits = head(self.mtp[-1].norm(hidden).to(head.weight.dtype)).float()
         return Draft(hidden=hidden, logits=logits)

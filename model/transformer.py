@@ -12,6 +12,7 @@ fp32, dense masks. It is the oracle the engine's cached paths are tested against
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,24 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, hc * config.hidden_size)))
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+    def forward(self, streams: torch.Tensor, pre: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
+                engram_rows: torch.Tensor | None = None, image_mask: torch.Tensor | None = None):
+        """The layer, the one block loop of every path: the Engram write (``engram_rows``
+        [..., cols, hd]; image tokens keep their streams), attention and MoE, each under
+        mHC. Returns (streams, the ``pre`` mix for the next site).
+
+        ``attend(x)`` maps the normalised attention input [..., D] to the attention
+        output [..., D]; where it reads its keys is the caller's: dense masks over the
+        whole sequence (the reference), the byte caches of each sequence (the engine),
+        straight-through memory with replay cuts (training), the drafter's context.
+        """
+        if self.engram is not None:
+            streams = self.engram(streams, engram_rows, None if image_mask is None else ~image_mask)
+        attn_pre, attn_post, attn_comb = self.mixes(streams, "attn")
+        out = attend(self.attn_norm(mhc.collapse(streams, pre)))
+        streams = mhc.expand(out, streams, attn_post, attn_comb)
+        return self.ffn_sublayer(streams, attn_pre, image_mask)
 
     def mixes(self, streams: torch.Tensor, site: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(pre, post, comb) of the ``attn`` or ``ffn`` site for ``streams`` [B, S, hc, D]."""
@@ -178,22 +197,10 @@ class Transformer(nn.Module):
         """Final collapse, norm and output head: -> logits [B, S, V] (fp32)."""
         return self.lm_head(self.norm(mhc.collapse(streams, pre))).float()
 
-    @staticmethod
-    def engram_write(block: Block, streams, engram_rows: dict[int, torch.Tensor], image_mask):
-        """The Engram write before a block (image tokens keep their streams)."""
-        if block.engram is None:
-            return streams
-        live = None if image_mask is None else ~image_mask
-        return block.engram(streams, engram_rows[block.plan.index], live)
-
     def block_forward(self, block: Block, streams, pre, positions, memory: SequenceMemory, engram_rows, image_mask):
         """One block over whole sequences starting at position 0 (the reference path)."""
-        streams = self.engram_write(block, streams, engram_rows, image_mask)
-        attn_pre, attn_post, attn_comb = block.mixes(streams, "attn")
-        x = block.attn_norm(mhc.collapse(streams, pre))
-        out = self.attention_reference(block.attn, x, positions, memory)
-        streams = mhc.expand(out, streams, attn_post, attn_comb)
-        return block.ffn_sublayer(streams, attn_pre, image_mask)
+        return block(streams, pre, lambda x: self.attention_reference(block.attn, x, positions, memory),
+                     engram_rows.get(block.plan.index), image_mask)
 
     def attention_reference(self, attn: CSA2Attention, x: torch.Tensor, positions: torch.Tensor, memory: SequenceMemory):
         """Attention of one layer over whole sequences [B, S, D] with dense masks."""

@@ -309,20 +309,18 @@ class Engine:
             block = self.model.layers[index]
             if tap is not None and index in tap.layers:
                 tap.streams[index] = streams
-            streams = self._engram(block, streams, rows)
-            attn_pre, attn_post, attn_comb = block.mixes(streams, "attn")
-            x = block.attn_norm(mhc.collapse(streams, pre))
-            out = torch.cat([self._attention(block, s, x[s.lo : s.hi], p) for s, p in zip(segments, picks)])
-            streams = mhc.expand(out, streams, attn_post, attn_comb)
-            streams, pre = block.ffn_sublayer(streams, attn_pre, None)
+            def attend(x, block=block):
+                return torch.cat([self._attention(block, s, x[s.lo : s.hi], p) for s, p in zip(segments, picks)])
+
+            streams, pre = block(streams, pre, attend, self._rows_of(block, rows))
         return streams, pre
 
     @staticmethod
-    def _engram(block: Block, streams, rows):
+    def _rows_of(block: Block, rows) -> torch.Tensor | None:
+        """A block's Engram rows from ``rows`` (a map, or a thunk that returns one)."""
         if block.engram is None:
-            return streams
-        table = rows() if callable(rows) else rows
-        return block.engram(streams, table[block.plan.index], None)
+            return None
+        return (rows() if callable(rows) else rows)[block.plan.index]
 
     def _project_decoder_memory(self, segments, streams, pre, rows) -> None:
         """The CED projection: the decoder's KV source pools the encoder output."""
@@ -330,7 +328,9 @@ class Engine:
             return
         block = self.model.layers[self.decoder_start]
         if block.plan.is_kv_source:
-            x = block.attn_norm(mhc.collapse(self._engram(block, streams, rows), pre))
+            if block.engram is not None:
+                streams = block.engram(streams, self._rows_of(block, rows), None)
+            x = block.attn_norm(mhc.collapse(streams, pre))
             for s in segments:
                 self._compress(block, s.cache, x[s.lo : s.hi], s.positions)
 

@@ -47,11 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import formats, mhc
-from ..attention import CSA2Attention, Indexer, candidate_blocks, top_k, visible_entries
+from .. import formats
+from ..attention import CSA2Attention, candidate_blocks, top_k, visible_entries
 from ..config import AttentionMode
 from ..formats import COMPRESSED_KV, ENGRAM_ROW, INDEXER_KEY, WINDOW_KV
-from ..rope import apply_rotary
 from ..transformer import Transformer, init_module
 
 __all__ = [
@@ -63,7 +62,6 @@ __all__ = [
     "build_optimizers",
     "fake_quant_weight",
     "indexer_kl",
-    "indexer_scores",
     "init_module",
     "lm_loss",
     "lr_factor",
@@ -163,29 +161,18 @@ class _Forward(nn.Module):
         losses, kls = [], {}
         for block in model.layers:
             starts = replay.decoder if block.plan.half == "decoder" else replay.encoder
-            streams = model.engram_write(block, streams, rows, None)
-            attn_pre, attn_post, attn_comb = block.mixes(streams, "attn")
-            x = block.attn_norm(mhc.collapse(streams, pre))
-            out, kl = _attention(model, block.attn, x, positions, memory, starts, quantize)
-            if kl is not None:
-                losses.append(kl)
-                kls[block.plan.index] = float(kl.detach())
-            streams = mhc.expand(out, streams, attn_post, attn_comb)
-            streams, pre = block.ffn_sublayer(streams, attn_pre, None)
+
+            def attend(x, block=block, starts=starts):
+                out, kl = _attention(model, block.attn, x, positions, memory, starts, quantize)
+                if kl is not None:
+                    losses.append(kl)
+                    kls[block.plan.index] = float(kl.detach())
+                return out
+
+            streams, pre = block(streams, pre, attend, rows.get(block.plan.index))
         logits = model.head(streams, pre)
         indexer_loss = torch.stack(losses).sum() if losses else logits.new_zeros(())
         return TrainOutput(logits, indexer_loss, kls)
-
-
-def indexer_scores(indexer: Indexer, x, q_residual, cos, sin, keys: torch.Tensor, quantize: bool = True) -> torch.Tensor:
-    """:meth:`Indexer.scores` with a straight-through FP4 query (same values)."""
-    q = indexer.wq_b(q_residual).unflatten(-1, (indexer.n_heads, indexer.head_dim))
-    q = apply_rotary(q, cos, sin)
-    if quantize:
-        q = _ste(q, INDEXER_KEY)
-    per_head = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu() * indexer.head_dim**-0.5
-    weights = indexer.weights_proj(x).float() * indexer.n_heads**-0.5
-    return torch.einsum("bsht,bsh->bst", per_head, weights)
 
 
 def _attention(model: Transformer, attn: CSA2Attention, x, positions, memory: dict, starts, quantize):
@@ -225,7 +212,8 @@ def _attention(model: Transformer, attn: CSA2Attention, x, positions, memory: di
     if plan.runs_indexer:
         visible = visible_entries(positions, entries.shape[1], ratio)
         index_keys = memory[("keys", source)]
-        scores = indexer_scores(attn.indexer, x.detach(), q_residual.detach(), cos, sin, index_keys, quantize)
+        quantize_q = (lambda q: _ste(q, INDEXER_KEY)) if quantize else (lambda q: q)
+        scores = attn.indexer.scores(x.detach(), q_residual.detach(), cos, sin, index_keys, quantize_q)
         with torch.no_grad():
             picking = scores.detach().masked_fill(~visible, float("-inf"))
             if plan.is_candidate_source:
