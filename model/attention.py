@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import AttentionMode, LayerPlan, TextConfig
-from .formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
+from .formats import INDEXER_KEY, WINDOW_KV
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -103,10 +103,6 @@ class Indexer(nn.Module):
         """Pre-RoPE latents [B, G, head_dim] -> indexer keys before FP4 quantisation."""
         return apply_rotary(self.k_norm(self.wk(latent)), cos, sin)
 
-    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE latents [B, G, head_dim] -> indexer keys [B, G, index_head_dim] (FP4 values)."""
-        return INDEXER_KEY.fake_quant(self.keys_raw(latent, cos, sin))
-
     def scores(
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
         quantize: Callable[[torch.Tensor], torch.Tensor] = INDEXER_KEY.fake_quant,
@@ -158,15 +154,22 @@ class CSA2Attention(nn.Module):
         """``x`` [B, S, D] -> the window cache's entries [B, S, hd] (FP8 values)."""
         return WINDOW_KV.fake_quant(self.window_raw(x, cos, sin))
 
+    def compress(self, x: torch.Tensor, positions: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Full layer's long-range entries and indexer keys, before quantisation, from
+        the whole pooling groups of ``x`` [B, S, D] at ``positions`` [B, S] (an entry sits
+        at its group's first position; a partial last group is left out). The keys take
+        the latents without gradient: the indexer learns only from its own loss.
+        ``rotary``: the compress-branch rotary embedding. Every path pools here."""
+        ratio = self.plan.compress_ratio
+        whole = x.shape[1] // ratio * ratio
+        latent = self.compressor(x[:, :whole])
+        cos, sin = rotary(positions[:, :whole:ratio])
+        return self.compressed_raw(latent, cos, sin), self.indexer.keys_raw(latent.detach(), cos, sin)
+
     @staticmethod
     def compressed_raw(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE latents [B, G, hd] -> long-range entries before FP4 quantisation."""
         return apply_rotary(latent, cos, sin)
-
-    @staticmethod
-    def compressed_entries(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE latents [B, G, hd] -> long-range cache entries [B, G, hd] (FP4 values)."""
-        return COMPRESSED_KV.fake_quant(apply_rotary(latent, cos, sin))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Shared-KV attention with per-head sinks.

@@ -22,6 +22,7 @@ from . import mhc
 from .attention import CSA2Attention, candidate_blocks, top_entries, visible_entries, window_mask
 from .config import AttentionMode, LayerPlan, TextConfig
 from .engram import EngramGate
+from .formats import COMPRESSED_KV, INDEXER_KEY
 from .moe import MoE
 from .norm import RMSNorm
 from .rope import Rotary
@@ -212,12 +213,9 @@ class Transformer(nn.Module):
         if plan.mode is not AttentionMode.WINDOW:
             ratio, source = plan.compress_ratio, plan.kv_source
             if plan.mode is AttentionMode.FULL:
-                n_groups = x.shape[1] // ratio
-                latent = attn.compressor(x[:, : n_groups * ratio])
-                entry_pos = positions[:, : n_groups * ratio : ratio]
-                cos_e, sin_e = self.rotary["compress"](entry_pos)
-                memory.entries[source] = attn.compressed_entries(latent, cos_e, sin_e)
-                memory.keys[source] = attn.indexer.keys(latent, cos_e, sin_e)
+                entries, index_keys = attn.compress(x, positions, self.rotary["compress"])
+                memory.entries[source] = COMPRESSED_KV.fake_quant(entries)
+                memory.keys[source] = INDEXER_KEY.fake_quant(index_keys)
             entries = memory.entries[source]
             if plan.runs_indexer:
                 scores = attn.indexer.scores(x, q_residual, cos, sin, memory.keys[source])

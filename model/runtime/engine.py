@@ -356,11 +356,9 @@ class Engine:
             rewind.pooling[source] = (rows, row_pos)
         n_groups = rows.shape[0] // ratio
         if n_groups:
-            latent = block.attn.compressor(rows[None, : n_groups * ratio])
-            entry_pos = row_pos[: n_groups * ratio : ratio][None]
-            cos, sin = self.model.rotary["compress"](entry_pos)
-            entries.append(block.attn.compressed_raw(latent, cos, sin)[0])
-            cache.keys[source].append(block.attn.indexer.keys_raw(latent, cos, sin)[0])
+            new_entries, new_keys = block.attn.compress(rows[None], row_pos[None], self.model.rotary["compress"])
+            entries.append(new_entries[0])
+            cache.keys[source].append(new_keys[0])
         cache.pending[source] = rows[n_groups * ratio :]
 
     def _attention(self, block: Block, segment: _Segment, x: torch.Tensor, picks: dict) -> torch.Tensor:

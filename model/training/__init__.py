@@ -200,12 +200,7 @@ def _attention(model: Transformer, attn: CSA2Attention, x, positions, memory: di
         return attn.output(sparse_attend(attn, q, win_keys, win_valid), cos, sin), kl
     ratio, source = plan.compress_ratio, plan.kv_source
     if plan.mode is AttentionMode.FULL:
-        n_groups = x.shape[1] // ratio
-        latent = attn.compressor(x[:, : n_groups * ratio])
-        entry_pos = positions[:, : n_groups * ratio : ratio]
-        cos_e, sin_e = model.rotary["compress"](entry_pos)
-        entries = attn.compressed_raw(latent, cos_e, sin_e)
-        index_keys = attn.indexer.keys_raw(latent.detach(), cos_e, sin_e)
+        entries, index_keys = attn.compress(x, positions, model.rotary["compress"])
         memory[("entries", source)] = _ste(entries, COMPRESSED_KV) if quantize else entries
         memory[("keys", source)] = _ste(index_keys, INDEXER_KEY) if quantize else index_keys
     entries = memory[("entries", source)]
