@@ -18,6 +18,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ray import serve
 
@@ -33,6 +34,16 @@ from storage.keys import ObjectKey
 from .prefill import StoreLike, read_through
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
 from .state import Handoff, StateNaming
+
+
+@dataclass(frozen=True)
+class _Conversation:
+    """What a running request keeps for its write-back: the prompt and the names of
+    its stored chunks (not the handoff's tensors and bytes, which admission used up)."""
+
+    token_ids: tuple[int, ...]
+    chunk_keys: tuple[ObjectKey, ...]
+    stored_chunks: int
 
 
 class PrefixUnavailable(RuntimeError):
@@ -51,8 +62,8 @@ class DecoderService:
         self.engine, self.store, self.naming, self.peers = engine, store, naming, peers
         self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._finished,
                                speculation=speculation)
-        self._requests: dict[str, Handoff] = {}
-        self._pending: list[tuple[Handoff, SequenceCache, list[int]]] = []
+        self._requests: dict[str, _Conversation] = {}
+        self._pending: list[tuple[_Conversation, SequenceCache, list[int]]] = []
         self.last_admit_s = 0.0
 
     def admit(self, request_id: str, handoff: Handoff, params: SamplingParams,
@@ -65,7 +76,7 @@ class DecoderService:
             load_window(cache, handoff.state, self.naming.identity)
         inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids,
                               handoff.replay_engram_ids)
-        self._requests[request_id] = dataclasses.replace(handoff, cache=None)
+        self._requests[request_id] = _Conversation(handoff.token_ids, handoff.chunk_keys, handoff.stored_chunks)
         start = time.perf_counter()
         try:
             return self.batcher.add(request_id, params, cache=cache, inputs=inputs)
@@ -123,7 +134,7 @@ class DecoderService:
         for handoff, cache, generated in pending:
             self._write_back(handoff, cache, generated)
 
-    def _write_back(self, handoff: Handoff, cache: SequenceCache, generated: list[int]) -> None:
+    def _write_back(self, handoff: _Conversation, cache: SequenceCache, generated: list[int]) -> None:
         tokens = list(handoff.token_ids) + generated[:-1]  # the last token was never fed
         if len(tokens) != cache.length:
             raise RuntimeError(f"cache holds {cache.length} tokens, the conversation {len(tokens)}")
