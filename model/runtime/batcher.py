@@ -1,6 +1,7 @@
 """Continuous batching over the engine: requests join and leave between steps.
 
-A :class:`Batcher` owns the running requests of one decoder. ``add`` admits a
+A :class:`Batcher` schedules the running requests of one decoder (each a
+:class:`model.runtime.sequence.Sequence`: its cache, sampling state and output). ``add`` admits a
 request whose prompt went through the prefill (its cache and decoder input are
 given, or are computed here for in-process use), replays the decoder half and
 samples its first token; ``step`` decodes one token for every running request in
@@ -20,15 +21,18 @@ The batcher knows nothing of Ray or HTTP: the decoder actor drives it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..chat import IncrementalDetokenizer, Tokenizer
+from ..chat import Tokenizer
 from .cache import SequenceCache
 from .engine import DecoderInput, Engine
 from .sampling import SamplingParams, StopChecker, make_generator, sample
-from .speculative import MODES, DraftContext, SpecMetrics, SpeculativeDrafter, StepCost, accept_tokens, schedule
+from .sequence import Sequence, TokenEvent
+from .speculative import MODES, SpecMetrics, SpeculativeDrafter, StepCost, accept_tokens, schedule
+
+__all__ = ["Batcher", "Speculation", "TokenEvent", "generate"]
 
 
 @dataclass
@@ -50,28 +54,6 @@ class Speculation:
             raise ValueError("the scheduled mode needs a step-cost table (StepCost.profile)")
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token of one request; ``finish_reason`` is set on its last."""
-
-    request_id: str
-    token_id: int
-    text: str
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Running:
-    request_id: str
-    cache: SequenceCache
-    params: SamplingParams
-    generator: torch.Generator | None
-    stop: StopChecker
-    detokenizer: IncrementalDetokenizer | None
-    tokens: list[int] = field(default_factory=list)
-    context: DraftContext | None = None  # the drafter's window (speculative mode)
-
-
 class Batcher:
     """Runs many requests through one engine, one batched decode step at a time."""
 
@@ -86,7 +68,7 @@ class Batcher:
         self.on_finish = on_finish
         self.speculation = speculation
         self.metrics = SpecMetrics()
-        self.running: dict[str, _Running] = {}
+        self.running: dict[str, Sequence] = {}
 
     def can_add(self) -> bool:
         return len(self.running) < self.max_batch
@@ -110,7 +92,7 @@ class Batcher:
         drafter = self.speculation.drafter if self.speculation is not None else None
         tap = drafter.tap() if drafter is not None else None
         logits = self.engine.replay(cache, inputs, tap=tap)
-        running = _Running(
+        running = Sequence(
             request_id, cache, params,
             None if params.greedy else make_generator(params, logits.device),
             StopChecker(params, self.eos_token_ids),
@@ -135,14 +117,14 @@ class Batcher:
         self._count(len(batch), [0] * len(batch), [0] * len(batch), [1] * len(batch))
         return [self._emit(r, out[-1:]) for r, out in zip(batch, logits)]
 
-    def _speculative_step(self, batch: list[_Running]) -> list[TokenEvent]:
+    def _speculative_step(self, batch: list[Sequence]) -> list[TokenEvent]:
         spec = self.speculation
         drafter = spec.drafter
         params = [r.params for r in batch]
         drafted = drafter.propose([r.context for r in batch], [r.tokens[-1] for r in batch], params,
                                   [r.generator for r in batch])
         # Never verify more guesses than a request may still emit (its length limit).
-        room = torch.tensor([max(0, r.params.max_tokens - len(r.tokens) - 1) for r in batch])
+        room = torch.tensor([r.room for r in batch])
         allowed = torch.arange(drafter.block_size)[None] < room[:, None]
         if spec.mode == "fixed":
             lengths = [min(spec.k, int(n)) for n in room]
@@ -159,7 +141,7 @@ class Batcher:
             m, tokens = accept_tokens(logits[i], guesses[i][: lengths[i]], r.params, r.generator, q)
             kept, done = 0, False
             for token in tokens:
-                event = self._feed(r, token)
+                event = r.feed(token)
                 events.append(event)
                 kept += 1
                 if event.finish_reason is not None:
@@ -198,22 +180,13 @@ class Batcher:
         """Drop a request (client gone); its cache is released with it."""
         self.running.pop(request_id, None)
 
-    def _emit(self, running: _Running, logits: torch.Tensor) -> TokenEvent:
-        event = self._feed(running, int(sample(logits, [running.params], [running.generator])[0]))
+    def _emit(self, running: Sequence, logits: torch.Tensor) -> TokenEvent:
+        event = running.feed(int(sample(logits, [running.params], [running.generator])[0]))
         if event.finish_reason is not None:
             self._finish(running)
         return event
 
-    def _feed(self, running: _Running, token: int) -> TokenEvent:
-        """Record one generated token and check the stop conditions."""
-        running.tokens.append(token)
-        text = running.detokenizer.push(token) if running.detokenizer is not None else ""
-        update = running.stop.feed(token, text)
-        if update.finish_reason is not None and running.detokenizer is not None and update.finish_reason == "length":
-            update = type(update)(update.text + running.detokenizer.flush(), update.finish_reason)
-        return TokenEvent(running.request_id, token, update.text, update.finish_reason)
-
-    def _finish(self, running: _Running) -> None:
+    def _finish(self, running: Sequence) -> None:
         del self.running[running.request_id]
         if self.on_finish is not None:
             self.on_finish(running.request_id, running.cache, running.tokens)
