@@ -1,8 +1,11 @@
-"""The OpenAI-compatible request and response shapes, validated by hand.
+"""The OpenAI-compatible request and response shapes.
 
-Parsing turns a JSON body into a typed :class:`GenerationRequest` or raises
-:class:`ApiError` with an HTTP status and an OpenAI error object; formatting turns
-generated text into completion objects and streaming chunks. No I/O here.
+Parsing validates a JSON body against pydantic schemas (:class:`ChatRequest`,
+:class:`CompletionRequest`) and turns it into a typed :class:`GenerationRequest`, or
+raises :class:`ApiError` with an HTTP status and an OpenAI error object naming the
+parameter; a parameter this server does not implement is refused by name, never
+ignored. Formatting turns generated text into completion objects and streaming
+chunks. No I/O here.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
 from model.chat import Message, resolve_effort
 from model.runtime.sampling import SamplingParams, SamplingParamsError
@@ -55,110 +61,172 @@ def parse_json(body: bytes) -> dict:
     return data
 
 
-def _sampling(data: dict, default_max: int) -> SamplingParams:
-    if data.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens", default_max))
-    if max_tokens is None:
-        max_tokens = default_max
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= _MAX_TOKENS_LIMIT:
+# ---------------------------------------------------------------------- request schemas
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise ValueError("must be a number")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_number)]
+Integer = Annotated[int, Field(strict=True)]
+
+
+class _Schema(BaseModel):
+    # A parameter this server does not implement is refused by name, never ignored.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class _StreamOptions(_Schema):
+    include_usage: StrictBool = False
+
+
+class _TextPart(_Schema):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(_Schema):
+    role: str
+    content: str | list[_TextPart] | None = None
+    reasoning_content: str | None = None
+
+
+class _Request(_Schema):
+    """What chat and completions requests share. ``n``, the penalties, ``logit_bias`` and
+    ``logprobs`` are accepted at their no-op values only; ``user`` is accepted and
+    unused (OpenAI's end-user tag)."""
+
+    model: str | None = None
+    max_tokens: Integer | None = None
+    max_completion_tokens: Integer | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: Integer | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    stream_options: _StreamOptions | None = None
+    n: Literal[1] | None = None
+    presence_penalty: Literal[0] | None = None
+    frequency_penalty: Literal[0] | None = None
+    logit_bias: dict[str, Number] | None = None
+    user: str | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[_Message] = Field(min_length=1)
+    reasoning_effort: str | None = None
+    logprobs: Literal[False] | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[Integer]
+    echo: Literal[False] | None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+    logprobs: Literal[0] | None = None
+
+
+def _validated(schema: type[_Request], data: dict) -> _Request:
+    """``data`` as ``schema``, or the first mistake as a 400 naming its parameter."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        # Drop the union members pydantic names in a location ("str", "list[...]", ...).
+        loc = [str(part) for part in first["loc"] if not _union_member(str(part))]
+        param = loc[0] if loc else None
+        where = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc).lstrip(".")
+        if first["type"] == "extra_forbidden":
+            raise ApiError(400, f"{where} is not supported by this server", param) from None
+        if param == "n":
+            raise ApiError(400, "only n=1 is supported", "n") from None
+        if param in ("presence_penalty", "frequency_penalty", "echo", "best_of", "suffix", "logprobs"):
+            raise ApiError(400, f"{param} is not supported by this server (only its default)", param) from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{where or 'request'}: {message}", param) from None
+
+
+def _union_member(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "none") or part.startswith(("list[", "dict[", "function-", "literal["))
+
+
+def _sampling(request: _Request, default_max: int) -> SamplingParams:
+    if request.logit_bias:
+        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    max_tokens = default_max if max_tokens is None else max_tokens
+    if not 1 <= max_tokens <= _MAX_TOKENS_LIMIT:
         raise ApiError(400, "max_tokens must be a positive integer", "max_tokens")
-    stop = data.get("stop")
+    stop = request.stop
     if stop is None:
         stop = ()
     elif isinstance(stop, str):
         stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= 4:
+    elif all(stop) and len(stop) <= 4:
         stop = tuple(stop)
     else:
         raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
-    temperature = data.get("temperature", 1.0)
-    top_p = data.get("top_p", 1.0)
-    seed = data.get("seed")
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ApiError(400, f"{name} must be a number", name)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, "seed must be an integer", "seed")
     try:
         return SamplingParams(
-            temperature=1.0 if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p),
-            seed=seed, max_tokens=max_tokens, stop=stop,
+            temperature=1.0 if request.temperature is None else float(request.temperature),
+            top_p=1.0 if request.top_p is None else float(request.top_p),
+            seed=request.seed, max_tokens=max_tokens, stop=stop,
         )
     except SamplingParamsError as error:
         raise ApiError(400, str(error)) from None
 
 
-def _stream_flags(data: dict) -> tuple[bool, bool]:
-    stream = data.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be a boolean", "stream")
-    options = data.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "stream_options must be an object", "stream_options")
-    return stream, bool(options.get("include_usage", False))
+def _stream_flags(request: _Request) -> tuple[bool, bool]:
+    options = request.stream_options
+    return request.stream, bool(options is not None and options.include_usage)
 
 
 def parse_chat(data: dict, model_name: str, default_max: int) -> GenerationRequest:
-    _check_model(data, model_name)
-    raw = data.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "messages must be a non-empty list", "messages")
+    request = _validated(ChatRequest, data)
+    _check_model(request, model_name)
     messages = []
-    for i, message in enumerate(raw):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a role", "messages")
-        content = message.get("content", "")
-        if isinstance(content, list):  # content parts: text only for now
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"messages[{i}]: only text content parts are supported", "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-        reasoning = message.get("reasoning_content")
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
         try:
-            messages.append(Message(message["role"], content, reasoning=reasoning if isinstance(reasoning, str) else None))
+            messages.append(Message(message.role, content or "", reasoning=message.reasoning_content))
         except ValueError as error:
             raise ApiError(400, f"messages[{i}]: {error}", "messages") from None
-    effort = data.get("reasoning_effort")
+    effort = request.reasoning_effort
     thinking = effort is not None
     if thinking:
         try:
             effort = resolve_effort(effort)
         except ValueError as error:
             raise ApiError(400, str(error), "reasoning_effort") from None
-    stream, include_usage = _stream_flags(data)
-    return GenerationRequest(model_name, _sampling(data, default_max), stream, include_usage,
+    stream, include_usage = _stream_flags(request)
+    return GenerationRequest(model_name, _sampling(request, default_max), stream, include_usage,
                              messages=tuple(messages), thinking=thinking, effort=effort)
 
 
 def parse_completion(data: dict, model_name: str, default_max: int, vocab_size: int) -> GenerationRequest:
-    _check_model(data, model_name)
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not all(0 <= t < vocab_size for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    request = _validated(CompletionRequest, data)
+    _check_model(request, model_name)
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if not prompt or not all(0 <= t < vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must be a non-empty list in [0, {vocab_size})", "prompt")
         prompt = tuple(prompt)
-    elif not isinstance(prompt, str) or not prompt:
+    elif not prompt:
         raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
-    if data.get("echo") or data.get("logprobs") or data.get("best_of", 1) != 1 or data.get("suffix"):
-        raise ApiError(400, "echo, logprobs, best_of and suffix are not supported")
-    stream, include_usage = _stream_flags(data)
-    return GenerationRequest(model_name, _sampling(data, default_max), stream, include_usage, prompt=prompt)
+    stream, include_usage = _stream_flags(request)
+    return GenerationRequest(model_name, _sampling(request, default_max), stream, include_usage, prompt=prompt)
 
 
-def _check_model(data: dict, model_name: str) -> None:
-    model = data.get("model")
-    if not isinstance(model, str):
+def _check_model(request: _Request, model_name: str) -> None:
+    if request.model is None:
         raise ApiError(400, "model is required", "model")
-    if model != model_name:
-        raise ApiError(404, f"The model `{model}` does not exist", "model", code="model_not_found")
+    if request.model != model_name:
+        raise ApiError(404, f"The model `{request.model}` does not exist", "model", code="model_not_found")
 
 
 def new_id(prefix: str) -> str:
