@@ -13,8 +13,9 @@ import contextlib
 import os
 import signal
 import socket
-import threading
+import time
 from pathlib import Path
+
 
 def serve_environment(port: int) -> dict[str, str]:
     """Ray Serve's latency settings (Ray >= 2.55), for a router answering HTTP on ``port``.
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or default_model()
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
-    stop = threading.Event()
+    stopping: list[int] = []
     app_args = {
         "model": str(model),
         "ssd_dir": str(args.cache_dir.resolve() / "{node}"),
@@ -119,11 +120,14 @@ def run(args: argparse.Namespace) -> int:
         "speculation": args.speculation,
     }
     with local_app(app_args, args.host, args.port, args.object_store_mb):
-        # Installed after Ray and Serve started, which set handlers of their own.
+        # Installed after Ray and Serve started, which set handlers of their own. The
+        # handler only records the signal: it runs on the main thread between two
+        # bytecodes, and an Event.set() there could wait forever on the lock of the very
+        # Event.wait() it interrupted.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda number, _frame: stopping.append(number))
         print(f"v41 serving {model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-        while not stop.wait(0.5):
-            pass
+        while not stopping:
+            time.sleep(0.2)
         print("v41: stopping", flush=True)
     return 0
