@@ -169,12 +169,7 @@ class TextConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "TextConfig":
         """Build and validate from a ``text_config`` mapping (unknown keys: error)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names - _METADATA_KEYS)
-        if unknown:
-            raise ConfigError(f"unknown text_config keys: {', '.join(unknown)}")
-        values = {k: _freeze(v) for k, v in raw.items() if k in names}
-        config = cls(**values)
+        config = cls(**_known_keys(cls, raw, "text_config"))
         return config._with_derived_defaults()._validated()
 
     def to_dict(self) -> dict[str, Any]:
@@ -394,11 +389,7 @@ class VisionConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "VisionConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - names - _METADATA_KEYS)
-        if unknown:
-            raise ConfigError(f"unknown vision_config keys: {', '.join(unknown)}")
-        return cls(**{k: _freeze(v) for k, v in raw.items() if k in names})
+        return cls(**_known_keys(cls, raw, "vision_config"))
 
 
 @dataclass(frozen=True)
@@ -455,6 +446,16 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a JSON object")
         return cls.from_dict(raw)
+
+
+def _known_keys(cls, raw: dict[str, Any], section: str) -> dict[str, Any]:
+    """The fields of dataclass ``cls`` in ``raw`` (lists frozen to tuples); a key it does
+    not know, metadata aside, is an error naming the ``section``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names - _METADATA_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown {section} keys: {', '.join(unknown)}")
+    return {k: _freeze(v) for k, v in raw.items() if k in names}
 
 
 def _freeze(value: Any) -> Any:

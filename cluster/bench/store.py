@@ -94,13 +94,22 @@ class _Objects:
         return self._keys[start:start + self.count]
 
 
+def _store_put(store: TieredStore, objects: _Objects, flush: bool) -> Callable[[int], None]:
+    """One repetition's PUTs through the store (until written behind, with ``flush``)."""
+    def put(rep: int) -> None:
+        for key, value in zip(objects.keys(rep), objects.payloads):
+            store.put(key, value)
+        if flush:
+            store.flush()
+
+    return put
+
+
 def _ram_rows(objects: _Objects, size_kib: int, reps: int) -> list[Row]:
     config = StoreConfig("bench", retention=RetentionPolicy(ram_capacity_bytes=4 * objects.nbytes * (reps + 2)))
     payloads = objects.payloads
     with TieredStore(config, _FP) as store:
-        def store_put(rep: int) -> None:
-            for key, value in zip(objects.keys(rep), payloads):
-                store.put(key, value)
+        store_put = _store_put(store, objects, flush=False)
 
         raw: dict[int, bytearray] = {}
 
@@ -130,10 +139,7 @@ def _ssd_rows(objects: _Objects, size_kib: int, reps: int, root: Path) -> list[R
     payloads = objects.payloads
     config = StoreConfig("bench", ssd_dir=root / "store", retention=RetentionPolicy(ram_capacity_bytes=0))
     with TieredStore(config, _FP) as store:
-        def store_put(rep: int) -> None:
-            for key, value in zip(objects.keys(rep), payloads):
-                store.put(key, value)
-            store.flush()
+        store_put = _store_put(store, objects, flush=True)
 
         def raw_put(rep: int) -> None:
             for path, value in zip(paths, payloads):
@@ -176,10 +182,7 @@ def _redis_rows(objects: _Objects, size_kib: int, reps: int, url: str) -> list[R
     config = StoreConfig("bench", redis_url=url, redis_stores_bytes=True,
                          retention=RetentionPolicy(ram_capacity_bytes=0))
     with TieredStore(config, _FP) as store:
-        def store_put(rep: int) -> None:
-            for key, value in zip(objects.keys(rep), payloads):
-                store.put(key, value)
-            store.flush()
+        store_put = _store_put(store, objects, flush=True)
 
         def raw_put(rep: int) -> None:
             for start in batches:

@@ -146,7 +146,7 @@ class _Forward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, engram_ids, replay: ReplayStarts, quantize: bool) -> TrainOutput:
+    def forward(self, input_ids, engram_ids, replay: ReplayStarts, quantize: bool, quantize_rows: bool) -> TrainOutput:
         model = self.model
         batch, length = input_ids.shape
         device = input_ids.device
@@ -156,7 +156,7 @@ class _Forward(nn.Module):
         for block in model.layers:
             if block.engram is not None:
                 r = block.engram.lookup(engram_ids[:, :, block.engram_table])
-                rows[block.plan.index] = _ste(r, ENGRAM_ROW) if quantize else r
+                rows[block.plan.index] = _ste(r, ENGRAM_ROW) if quantize_rows else r
         memory: dict = {}
         losses, kls = [], {}
         for block in model.layers:
@@ -268,8 +268,8 @@ def train_forward(
     """The differentiable full-sequence forward (values = the reference forward of the
     quantised checkpoint when ``quantize`` and no replay). Also counts expert loads.
 
-    ``quantize`` rounds the caches, Engram rows and (unless ``quantize_weights`` is
-    False) the weights as the released format does, straight-through."""
+    ``quantize`` rounds the caches and (unless ``quantize_weights`` is False) the
+    weights and Engram rows as the released format stores them, straight-through."""
     batch, length = input_ids.shape
     if replay is None:
         replay = ReplayStarts.none(batch, length, input_ids.device)
@@ -277,7 +277,8 @@ def train_forward(
         raise ValueError("this model has Engram layers: pass engram_ids from the NgramHasher")
     wrapper = _Forward(model)
     overrides = {}
-    if quantize and quantize_weights is not False:
+    quantize_weights = quantize and quantize_weights is not False
+    if quantize_weights:
         params = dict(model.named_parameters())
         for name in quantised_weight_names(model):
             p = params[name]
@@ -289,7 +290,8 @@ def train_forward(
             loads[index] = torch.bincount(output[1].flatten(), minlength=module.weight.shape[0])
         hooks.append(block.ffn.gate.register_forward_hook(hook))
     try:
-        out = torch.func.functional_call(wrapper, overrides, (input_ids, engram_ids, replay, quantize), strict=False)
+        args = (input_ids, engram_ids, replay, quantize, quantize_weights)
+        out = torch.func.functional_call(wrapper, overrides, args, strict=False)
     finally:
         for h in hooks:
             h.remove()
