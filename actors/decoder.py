@@ -31,7 +31,7 @@ from model.runtime.sampling import SamplingParams
 from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
 from storage.keys import ObjectKey
 
-from .prefill import StoreLike, read_through
+from .prefill import PrefillService, StoreLike, read_through
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
 from .state import Handoff, StateNaming
 
@@ -155,8 +155,6 @@ class DecoderPool:
     """A decoder replica: the whole model, one continuous batch, streaming tokens out."""
 
     def __init__(self, config: AppConfig):
-        from actors.decoder import DecoderService
-        from actors.prefill import PrefillService
         from actors.store import peer_store
         from cluster.metrics import DecoderMetrics, PrefillMetrics
 

@@ -43,8 +43,8 @@ class StoreLike(Protocol):
 def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | None, keys: list[ObjectKey],
                  nodes: tuple[str | None, ...] | list[str | None]) -> list[bytes | None]:
     """``store.get_many(keys)``, and what it misses from the stores of ``nodes`` in turn
-    (node to node; nothing passes through the caller's caller), kept in ``store`` for
-    the next turn. ``peers(node)`` gives a node's store, None if it has none."""
+    (node to node, never through the router), kept in ``store`` for the next turn.
+    ``peers(node)`` gives a node's store, None if it has none."""
     blobs = store.get_many(keys) if keys else []
     missing = [i for i, blob in enumerate(blobs) if blob is None]
     for node in nodes:
@@ -159,7 +159,6 @@ class PrefillPool:
     """A prefill replica: the encoder half and the CED projection, and its node's store."""
 
     def __init__(self, config: AppConfig):
-        from actors.prefill import PrefillService
         from actors.store import peer_store
         from cluster.metrics import PrefillMetrics
 
