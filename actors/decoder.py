@@ -170,6 +170,7 @@ class DecoderPool:
         self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stepping: asyncio.Task | None = None
+        self.slots = asyncio.Semaphore(config.max_batch)  # places in the batch
         self.store = store
         self.prefetched: OrderedDict[ObjectKey, asyncio.Future] = OrderedDict()
 
@@ -219,7 +220,20 @@ class DecoderPool:
 
     async def _decode(self, request_id: str, admit):
         """Run ``admit`` (-> (handoff, first token)) on the engine thread, then stream
-        the request's tokens from the batch."""
+        the request's tokens from the batch. A request waits here, in arrival order, for
+        a place in the batch (``max_batch``): more requests than that queue, none fails."""
+        await self.slots.acquire()
+        events = self._admitted(request_id, admit)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            try:
+                await events.aclose()  # a client gone: its request leaves the batch now
+            finally:
+                self.slots.release()
+
+    async def _admitted(self, request_id: str, admit):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue

@@ -159,6 +159,27 @@ def test_bad_requests_are_4xx_with_a_message(app, body, status, code):
     assert payload["error"]["message"] and payload["error"]["code"] == code
 
 
+def test_more_requests_than_the_batch_wait_for_a_place_and_all_finish(client):
+    """24 streams at once against a batch of 16 places: the rest wait, none fails (the
+    decoder used to answer the 17th with a stream error, "batch is full")."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stream(i: int) -> tuple[int, str | None]:
+        chunks = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, stream=True,
+                                                messages=[{"role": "user", "content": f"def f_{i}():"}])
+        tokens, finish = 0, None
+        for chunk in chunks:
+            if chunk.choices:
+                tokens += bool(chunk.choices[0].delta.content)
+                finish = chunk.choices[0].finish_reason or finish
+        return tokens, finish
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(stream, range(24)))
+    assert all(finish in ("length", "stop") for _, finish in results), results
+    assert sum(tokens for tokens, _ in results) > 24
+
+
 def test_killed_decoder_mid_stream_gives_an_error_and_caches_nothing(client):
     messages = [{"role": "user", "content": "while True:\n    x = queue.get()\n" * 4}]
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0,
