@@ -93,13 +93,7 @@ class DecoderService:
         keys = list(handoff.chunk_keys[: handoff.stored_chunks])
         if not keys:
             return cache
-        blobs = list(fetched[: len(keys)]) if fetched else []
-        blobs += [None] * (len(keys) - len(blobs))
-        missing = [i for i, blob in enumerate(blobs) if blob is None]
-        if missing:
-            for i, blob in zip(missing, read_through(self.store, self.peers, [keys[i] for i in missing],
-                                                     [handoff.prefix_node])):
-                blobs[i] = blob
+        blobs = read_through(self.store, self.peers, keys, [handoff.prefix_node], fetched)
         loaded = load_chunks(cache, itertools.takewhile(bool, blobs), self.naming.identity)
         if loaded < len(keys):
             raise PrefixUnavailable(f"{len(keys) - loaded} of the {len(keys)} stored chunks of the prompt are gone "
@@ -171,7 +165,6 @@ class DecoderPool:
         self.queues: dict[str, asyncio.Queue] = {}
         self.stepping: asyncio.Task | None = None
         self.slots = asyncio.Semaphore(config.max_batch)  # places in the batch
-        self.store = store
         self.prefetched: OrderedDict[ObjectKey, asyncio.Future] = OrderedDict()
 
     async def prefetch(self, keys: tuple[ObjectKey, ...]) -> None:
@@ -179,7 +172,8 @@ class DecoderPool:
         the prefill pool encodes the turn (the router sends it with the prefill): the
         handoff that follows finds its chunks here. Kept for the last 16 prefixes."""
         if keys and keys[-1] not in self.prefetched:
-            self.prefetched[keys[-1]] = asyncio.ensure_future(self.store.handle.get_many.remote(list(keys)))
+            fetch = self.service.store.handle.get_many.remote(list(keys))
+            self.prefetched[keys[-1]] = asyncio.ensure_future(fetch)
             while len(self.prefetched) > 16:
                 self.prefetched.popitem(last=False)[1].cancel()
 

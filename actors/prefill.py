@@ -41,12 +41,19 @@ class StoreLike(Protocol):
 
 
 def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | None, keys: list[ObjectKey],
-                 nodes: tuple[str | None, ...] | list[str | None]) -> list[bytes | None]:
+                 nodes: tuple[str | None, ...] | list[str | None],
+                 fetched: list[bytes | None] | None = None) -> list[bytes | None]:
     """``store.get_many(keys)``, and what it misses from the stores of ``nodes`` in turn
     (node to node, never through the router), kept in ``store`` for the next turn.
-    ``peers(node)`` gives a node's store, None if it has none."""
-    blobs = store.get_many(keys) if keys else []
+    ``peers(node)`` gives a node's store, None if it has none. ``fetched``: what was
+    already read for the first keys (a prefetch); only the rest is asked of ``store``."""
+    blobs = list(fetched or ())[: len(keys)]
+    blobs += [None] * (len(keys) - len(blobs))
     missing = [i for i, blob in enumerate(blobs) if blob is None]
+    if missing:
+        for i, blob in zip(missing, store.get_many([keys[i] for i in missing])):
+            blobs[i] = blob
+        missing = [i for i in missing if blobs[i] is None]
     for node in nodes:
         peer = peers(node) if missing and peers is not None and node else None
         if peer is None:
@@ -112,8 +119,7 @@ class PrefillService:
         then the window state after them if the store has it. One store call when the
         chunks are good; none when the plan says nothing is stored."""
         cache = self.engine.new_cache()
-        # Keep one token out of the chunks: the prompt's last token must be encoded.
-        usable = min(plan.cached_chunks, (len(tokens) - 1) // self.naming.chunk_tokens)
+        usable = self.naming.loadable_chunks(plan)
         keys = list(chunk_keys[:usable])
         # The router asked the index for the windows after exactly these chunks.
         windows = (list(plan.windows) if plan.windows is not None

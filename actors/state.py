@@ -37,6 +37,11 @@ class StateNaming:
         chunks, already computed (the plan's): only the rest is hashed."""
         return chunk_keys(self.fingerprint, token_ids, self.chunk_tokens, known=known)
 
+    def loadable_chunks(self, plan: "CachePlan") -> int:
+        """How many of a plan's stored chunks a prefill loads: all of them, short of the
+        prompt's last token, which must be encoded."""
+        return min(plan.cached_chunks, (len(plan.token_ids) - 1) // self.chunk_tokens)
+
     def window(self, token_ids: list[int], known: tuple[ObjectKey, ...] = ()) -> ObjectKey:
         """The name of the window state after all of ``token_ids``."""
         return window_key(self.fingerprint, token_ids, self.chunk_tokens, known=known)

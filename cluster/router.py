@@ -197,7 +197,7 @@ class Router:
             # (An Engram lookup holds object refs: those travel by reference.)
             decoder = self.decoder_direct if lookup is None else self.decoder
             return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup)
-        stored = min(plan.cached_chunks, (len(tokens) - 1) // self.naming.chunk_tokens)
+        stored = self.naming.loadable_chunks(plan)
         if stored and plan.chunk_keys:  # the decoder reads the stored prefix while the prefill runs
             self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored])
         handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes), engram=lookup)

@@ -224,8 +224,9 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if bool((ties.sum(-1) == (values == kth).sum(-1)).all()):  # no tie across the cut: one choice
         indices = indices.sort(dim=-1).values
         return indices, scores.gather(-1, indices)
-    wanted = k - (scores > kth).sum(-1, keepdim=True)
-    chosen = (scores > kth) | (ties & (ties.cumsum(-1) <= wanted))  # exactly k per row
+    above = scores > kth
+    wanted = k - above.sum(-1, keepdim=True)
+    chosen = above | (ties & (ties.cumsum(-1) <= wanted))  # exactly k per row
     indices = chosen.nonzero()[:, -1].view(*scores.shape[:-1], k)
     return indices, scores.gather(-1, indices)
 

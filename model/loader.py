@@ -274,6 +274,13 @@ def _quantise(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> tuple[
     return formats.quantize_fp8_weight(tensor, block)
 
 
+def stored_values(name: str, tensor: torch.Tensor, block: tuple[int, int] = _BLOCK) -> torch.Tensor:
+    """The float32 values a quantised parameter has after :func:`save_checkpoint` and
+    :func:`load_checkpoint` (the same rule for its format)."""
+    data, scale = _quantise(name, tensor.detach().float(), block)
+    return _dequantize(name, data, scale, tensor.shape, block)
+
+
 def _stored_bytes(name: str, tensor: torch.Tensor, stored, block: tuple[int, int]):
     """The bytes a parameter was loaded from, while it still holds exactly their values."""
     if stored is None:
