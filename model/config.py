@@ -246,17 +246,18 @@ class TextConfig:
             if ratios[i] and not any(s <= i for s in kv):
                 raise ConfigError(f"compress_ratios: layer {i} has a compressed branch but no "
                                   "kv_source_layer_ids entry at or before it")
-            if ratios[i]:
-                source = max(s for s in kv if s <= i)
-                if ratios[source] != ratios[i]:
-                    raise ConfigError(f"compress_ratios: layer {i} has ratio {ratios[i]} but reads the entries of "
-                                      f"KV source {source} (ratio {ratios[source]}); a layer's ratio must be its source's")
+        plans = self.layer_plans()
+        for plan in plans:
+            source = plan.kv_source
+            if source is not None and ratios[source] != plan.compress_ratio:
+                raise ConfigError(f"compress_ratios: layer {plan.index} has ratio {plan.compress_ratio} but reads the "
+                                  f"entries of KV source {source} (ratio {ratios[source]}); a layer's ratio must be "
+                                  "its source's")
         cand = self.candidate_source_layer_id
         if cand >= 0:
             if cand not in ix:
                 raise ConfigError(f"candidate_source_layer_id {cand} must be in index_source_layer_ids")
-            group = max(s for s in kv if s <= cand)
-            strangers = [i for i in ix if i > cand and max(s for s in kv if s <= i) != group]
+            strangers = [i for i in ix if i > cand and plans[i].kv_source != plans[cand].kv_source]
             if strangers:
                 raise ConfigError(f"candidate_source_layer_id {cand}: later index sources {strangers} read another "
                                   "KV group than the candidate pool's")
@@ -283,7 +284,6 @@ class TextConfig:
             raise ConfigError(f"unsupported scoring_func {self.scoring_func!r}")
         if self.hidden_act != "silu":
             raise ConfigError(f"unsupported hidden_act {self.hidden_act!r}")
-        self.layer_plans()  # every layer must have a plan
         return self
 
     # ------------------------------------------------------------------ derived
