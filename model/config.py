@@ -204,7 +204,8 @@ class TextConfig:
             if backbone == self._RELEASED_RATIOS[:n]:
                 kv_sources = self._RELEASED_KV_SOURCES
             else:  # the first layer of each run of equal ratios publishes for the run
-                kv_sources = tuple(i for i in range(n) if backbone[i] > 0 and (i == 0 or backbone[i - 1] != backbone[i]))
+                kv_sources = tuple(i for i in range(n)
+                                   if backbone[i] > 0 and (i == 0 or backbone[i - 1] != backbone[i]))
         updates["kv_source_layer_ids"] = tuple(kv_sources)
         if self.index_source_layer_ids is None:
             released = tuple(kv_sources) == self._RELEASED_KV_SOURCES
