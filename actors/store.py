@@ -1,55 +1,101 @@
 """The store actor: one :class:`storage.store.TieredStore` per node, shared by its replicas.
 
 Pools on a node reach their node's store through :func:`node_store`, which gets or
-creates the detached actor ``v41-store-<node id>`` pinned to that node. The actor is
-a thin shell: every method forwards to the TieredStore.
+creates the detached actor ``v41-store-<node id>`` pinned to that node and hands it
+the app's current :class:`StoreSettings` (a redeploy that changes them reopens the
+store with the new ones). The actor is a thin shell: every method forwards to the
+TieredStore.
+
+The store is a cache, so it is never a reason for a request to fail: a call that
+does not answer reads as a miss. Ray restarts a killed store actor (``max_restarts``);
+it reopens its SSD slot (:mod:`storage.slots`), whose files and index entries it
+republishes, and the clients' handles keep working. A client that saw a failure
+hands the actor its settings again (a restarted actor starts from the settings it
+was created with), and one whose actor is gone for good gets a new one.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ray
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from storage.keys import Fingerprint, ObjectKey
 from storage.policy import RetentionPolicy
+from storage.slots import Slot, claim
 from storage.store import StoreConfig, TieredStore
+
+NODE_NAME_ENV = "V41_NODE_NAME"  # set on a machine (before `ray start`) to name its SSD slot
+STORE_TIMEOUT_S = 5.0  # a store read that takes longer is a miss (the actor is restarting or hung)
 
 
 @dataclass(frozen=True)
 class StoreSettings:
     """How every node's store is configured (all retention numbers are config)."""
 
-    ssd_dir: str | None = None  # per node; "{node}" is replaced by the node id
+    ssd_dir: str | None = None  # "{node}": this machine's slot under that directory (storage.slots)
     redis_url: str | None = None
     redis_stores_bytes: bool = False
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
 
-    def for_node(self, node_id: str) -> StoreConfig:
-        ssd = Path(self.ssd_dir.replace("{node}", node_id[:12])) if self.ssd_dir else None
-        return StoreConfig(node_id=node_id, ssd_dir=ssd, redis_url=self.redis_url,
-                           redis_stores_bytes=self.redis_stores_bytes, retention=self.retention)
+    def open(self, node_id: str, fingerprint: Fingerprint) -> tuple[TieredStore, Slot | None]:
+        """The node's store, on the SSD slot this process claims for it."""
+        slot = None
+        if self.ssd_dir is not None:
+            slot = claim(self.ssd_dir, os.environ.get(NODE_NAME_ENV) or None,
+                         collect_after_s=self.retention.longest_retention_s)
+        config = StoreConfig(node_id=node_id, ssd_dir=slot.path if slot else None, redis_url=self.redis_url,
+                             redis_stores_bytes=self.redis_stores_bytes, retention=self.retention)
+        try:
+            return TieredStore(config, fingerprint), slot
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
 
 
 class StoreActor:
     """A node's tiered store, as a Ray actor."""
 
     def __init__(self, settings: StoreSettings, fingerprint: bytes, node_id: str, metrics_interval_s: float = 10.0):
-        import threading
-
         from cluster.metrics import StoreMetrics
 
-        self.store = TieredStore(settings.for_node(node_id), Fingerprint(fingerprint))
+        self._node_id = node_id
+        self._lock = threading.Lock()
+        self.settings: StoreSettings | None = None
+        self.fingerprint = b""
+        self._slot: Slot | None = None
+        self.store: TieredStore | None = None
+        self.configure(settings, fingerprint)
         self._metrics = StoreMetrics()
         self._stop = threading.Event()
 
-        def export() -> None:  # hits, misses and bytes per tier, for Prometheus
+        def export() -> None:  # hits, misses and bytes per tier, for Prometheus; the slot is alive
             while not self._stop.wait(metrics_interval_s):
                 self._metrics.export(self.store.stats())
+                if self._slot is not None:
+                    self._slot.touch()
 
         threading.Thread(target=export, name="store-metrics", daemon=True).start()
+
+    def configure(self, settings: StoreSettings, fingerprint: bytes) -> bool:
+        """Use ``settings`` from now on; True if that reopened the store (queued writes
+        of the old one land first, in its own directory)."""
+        with self._lock:
+            if settings == self.settings and fingerprint == self.fingerprint:
+                return False
+            old, old_slot = self.store, self._slot
+            if old is not None:
+                old.close()
+            if old_slot is not None:
+                old_slot.release()
+            self.store, self._slot = settings.open(self._node_id, Fingerprint(fingerprint))
+            self.settings, self.fingerprint = settings, fingerprint
+            return True
 
     def get_many(self, keys: list[ObjectKey]) -> list[bytes | None]:
         return self.store.get_many(keys)
@@ -66,18 +112,69 @@ class StoreActor:
     def stats(self):
         return self.store.stats()
 
+    def ssd_dir(self) -> str | None:
+        """The SSD slot this store uses (None without an SSD tier)."""
+        return str(self._slot.path) if self._slot is not None else None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+_ACTOR_OPTIONS = {
+    "lifetime": "detached",
+    "num_cpus": 0,
+    "max_concurrency": 8,
+    "max_restarts": -1,  # a crashed store comes back on its SSD slot
+    "max_task_retries": 0,  # a call cut short reads as a miss; it is not replayed
+}
+
+
+def _store_actor(settings: StoreSettings, fingerprint: bytes, node_id: str, namespace: str):
+    return ray.remote(StoreActor).options(
+        name=f"{namespace}-store-{node_id}",
+        namespace=namespace,
+        get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        **_ACTOR_OPTIONS,
+    ).remote(settings, fingerprint, node_id)
+
 
 class RemoteStore:
-    """The :class:`actors.prefill.StoreLike` face of a store actor (blocking calls)."""
+    """The :class:`actors.prefill.StoreLike` face of a store actor (blocking calls).
 
-    def __init__(self, handle):
+    A read that fails or takes longer than ``timeout_s`` (the actor is restarting) is a
+    miss for every key; a failed write is dropped. With ``settings``, a failure also
+    re-sends them, or replaces an actor that is gone for good.
+    """
+
+    def __init__(self, handle, settings: StoreSettings | None = None, fingerprint: bytes = b"",
+                 node_id: str = "", namespace: str = "v41", timeout_s: float = STORE_TIMEOUT_S):
         self.handle = handle
+        self._settings, self._fingerprint, self._node_id = settings, fingerprint, node_id
+        self._namespace, self._timeout_s = namespace, timeout_s
+        self.failures = 0
 
     def get_many(self, keys: list[ObjectKey]) -> list[bytes | None]:
-        return ray.get(self.handle.get_many.remote(keys))
+        try:
+            return ray.get(self.handle.get_many.remote(keys), timeout=self._timeout_s)
+        except (RayError, GetTimeoutError):
+            self.recover()
+            return [None] * len(keys)
 
     def put(self, key: ObjectKey, payload: bytes) -> None:
         self.handle.put.remote(key, payload)  # fire and forget: the store writes behind anyway
+
+    def recover(self) -> None:
+        """After a failed call: get the node's store actor again (the same one once Ray
+        has restarted it, a new one if it is gone) and give it the current settings."""
+        self.failures += 1
+        if self._settings is None:
+            return
+        try:
+            self.handle = _store_actor(self._settings, self._fingerprint, self._node_id, self._namespace)
+            self.handle.configure.remote(self._settings, self._fingerprint)
+        except RayError:
+            pass  # the next failure tries again
 
 
 def peer_store(node_id: str, namespace: str = "v41") -> RemoteStore | None:
@@ -90,15 +187,9 @@ def peer_store(node_id: str, namespace: str = "v41") -> RemoteStore | None:
 
 
 def node_store(settings: StoreSettings, fingerprint: bytes, namespace: str = "v41") -> RemoteStore:
-    """The store actor of the node this process runs on (created on first use)."""
+    """The store actor of the node this process runs on (created on first use), set
+    to ``settings`` (the actor reopens its store if they changed)."""
     node_id = ray.get_runtime_context().get_node_id()
-    actor = ray.remote(StoreActor).options(
-        name=f"{namespace}-store-{node_id}",
-        namespace=namespace,
-        get_if_exists=True,
-        lifetime="detached",
-        num_cpus=0,
-        max_concurrency=8,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(settings, fingerprint, node_id)
-    return RemoteStore(actor)
+    actor = _store_actor(settings, fingerprint, node_id, namespace)
+    ray.get(actor.configure.remote(settings, fingerprint))
+    return RemoteStore(actor, settings, fingerprint, node_id, namespace)
