@@ -32,8 +32,9 @@ from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, wi
 from storage.keys import ObjectKey
 
 from .prefill import PrefillService, StoreLike, read_through
+from .store import STORE_TIMEOUT_S
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
-from .state import Handoff, StateNaming
+from .state import CachePlan, Handoff, StateNaming
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ class DecoderPool:
         self.queues: dict[str, asyncio.Queue] = {}
         self.stepping: asyncio.Task | None = None
         self.slots = asyncio.Semaphore(config.max_batch)  # places in the batch
+        self.queued = 0  # requests in this replica waiting for a place
         self.prefetched: OrderedDict[ObjectKey, asyncio.Future] = OrderedDict()
 
     async def prefetch(self, keys: tuple[ObjectKey, ...]) -> None:
@@ -186,13 +188,22 @@ class DecoderPool:
             fetch = self.prefetched.pop(handoff.chunk_keys[handoff.stored_chunks - 1], None)
             if fetch is not None:
                 try:
-                    prefix = await fetch
+                    prefix = await asyncio.wait_for(fetch, STORE_TIMEOUT_S)
                 except Exception:  # the store actor was away: the admission reads it itself
                     prefix = None
 
         def admit():
             handoff.timeline["decode_in"] = arrived
-            return handoff, self.service.admit(request_id, handoff, params, prefix)
+            try:
+                return handoff, self.service.admit(request_id, handoff, params, prefix)
+            except PrefixUnavailable:
+                # The stored prefix the prefill loaded went away before it could be read
+                # here (a store restarted, or evicted it): encode the prompt here instead.
+                plan = CachePlan(handoff.token_ids, 0, chunk_keys=handoff.chunk_keys)
+                again = prefilled(self.prefiller.prefill(plan, in_process=True), time.time(), "decoder",
+                                  self.prefill_metrics)
+                again.timeline.update(handoff.timeline, decode_in=arrived)
+                return again, self.service.admit(request_id, again, params)
 
         async for event in self._decode(request_id, admit):
             yield event
@@ -216,8 +227,15 @@ class DecoderPool:
         """Run ``admit`` (-> (handoff, first token)) on the engine thread, then stream
         the request's tokens from the batch. A request waits here, in arrival order, for
         a place in the batch (``max_batch``): more requests than that queue, none fails."""
-        await self.slots.acquire()
-        events = self._admitted(request_id, admit)
+        self.queued += 1
+        self.metrics.queued.set(self.queued)
+        try:
+            await self.slots.acquire()
+        finally:
+            self.queued -= 1
+            self.metrics.queued.set(self.queued)
+        admitted = time.time()
+        events = self._admitted(request_id, admit, admitted)
         try:
             async for event in events:
                 yield event
@@ -227,13 +245,13 @@ class DecoderPool:
             finally:
                 self.slots.release()
 
-    async def _admitted(self, request_id: str, admit):
+    async def _admitted(self, request_id: str, admit, admitted: float):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
         try:
             handoff, first = await loop.run_in_executor(self.executor, admit)
-            timeline = {**handoff.timeline, "decode_out": time.time()}
+            timeline = {**handoff.timeline, "admitted": admitted, "decode_out": time.time()}
             yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
                    "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
                    "prefilled_by": handoff.prefilled_by,

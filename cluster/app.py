@@ -17,6 +17,26 @@ from cluster.config import AppConfig
 from cluster.router import Router
 
 
+def decoder_options(config: AppConfig) -> dict[str, Any]:
+    """The decoder pool's Serve options. A replica takes its batch and a few more
+    requests (they wait in it for a place, and the prefetches get through); the rest
+    wait at the router's handle, up to ``max_queued_requests``, then get 429. With
+    ``decoder_max_replicas``, Serve's autoscaler reads the same numbers: it aims at one
+    full batch of ongoing requests per replica."""
+    options: dict[str, Any] = {
+        "max_ongoing_requests": config.max_batch + max(4, config.max_batch // 4),
+        "max_queued_requests": config.max_queued_requests,
+        "ray_actor_options": {"num_cpus": 1, "resources": dict(config.decoder_resources)},
+    }
+    if config.decoder_max_replicas is None:
+        options["num_replicas"] = config.decoder_replicas
+    else:
+        options["autoscaling_config"] = {"min_replicas": config.decoder_replicas,
+                                         "max_replicas": config.decoder_max_replicas,
+                                         "target_ongoing_requests": config.max_batch}
+    return options
+
+
 def build_app(args: dict[str, Any] | None = None):
     """The application: ``serve run cluster.app:build_app key=value ...`` or a YAML's ``args``."""
     config = AppConfig.from_args(args)
@@ -24,8 +44,5 @@ def build_app(args: dict[str, Any] | None = None):
         num_replicas=config.prefill_replicas,
         ray_actor_options={"num_cpus": 1, "resources": dict(config.prefill_resources)},
     ).bind(config)
-    decoder = DecoderPool.options(
-        num_replicas=config.decoder_replicas,
-        ray_actor_options={"num_cpus": 1, "resources": dict(config.decoder_resources)},
-    ).bind(config)
+    decoder = DecoderPool.options(**decoder_options(config)).bind(config)
     return Router.options(ray_actor_options={"num_cpus": 0}).bind(config, prefill, decoder)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = str(PROJECT_ROOT / "configs" / "small")
@@ -37,9 +37,14 @@ class AppConfig(BaseModel):
     model_name: str = "deepseek-v4.1-small"
     prefill_replicas: PositiveInt = 1
     decoder_replicas: PositiveInt = 1
+    decoder_max_replicas: PositiveInt | None = None  # set: Serve autoscales the decoders up to this many
     prefill_resources: dict[str, float] = Field(default_factory=dict)  # Ray custom resources per replica
     decoder_resources: dict[str, float] = Field(default_factory=dict)
     max_batch: PositiveInt = 16
+    # Requests beyond every decoder batch's places wait at the router, in arrival order;
+    # beyond this many waiting, a request is answered 429 with Retry-After.
+    max_queued_requests: PositiveInt = 256
+    max_request_bytes: PositiveInt = 4 << 20  # a bigger body is answered 413 before it is read
     max_tokens_default: PositiveInt = 256
     max_model_len: PositiveInt = 16384
     chunk_tokens: PositiveInt = 64
@@ -51,7 +56,8 @@ class AppConfig(BaseModel):
     window_ttl_minutes: float = 30.0
     chunk_retention_hours: float = 72.0
     persist_window_states: bool = False
-    api_key: str | None = None
+    api_key: str | None = None  # prefer api_key_file: a key here is in the YAML and the Serve config
+    api_key_file: str | None = None  # a file holding the key (read by the router when it starts)
     threads: PositiveInt = 1
     engram_shards: NonNegativeInt = 0  # 0: Engram rows from in-process tables; N: a sharded table service
     engram_replicas: PositiveInt = 1
@@ -82,6 +88,24 @@ class AppConfig(BaseModel):
         except ValidationError as error:
             raise ValueError("; ".join(_describe(e) for e in error.errors())) from None
 
+    @model_validator(mode="after")
+    def _one_key(self) -> "AppConfig":
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give api_key or api_key_file, not both")
+        if self.decoder_max_replicas is not None and self.decoder_max_replicas < self.decoder_replicas:
+            raise ValueError(f"decoder_max_replicas ({self.decoder_max_replicas}) is below decoder_replicas "
+                             f"({self.decoder_replicas})")
+        return self
+
+    def resolved_api_key(self) -> str | None:
+        """The API key clients must send (None: no key), read from ``api_key_file`` if set."""
+        if self.api_key_file is None:
+            return self.api_key
+        key = Path(self.api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"api_key_file {self.api_key_file} is empty")
+        return key
+
     def retention(self):
         from storage.policy import RetentionPolicy
 
@@ -98,4 +122,6 @@ def _describe(error: dict) -> str:
     if error["type"] == "literal_error":
         return f"{name} must be one of {error['ctx']['expected'].replace(chr(39), '')}, got {error['input']!r}"
     message = error["msg"].removeprefix("Value error, ")
+    if not error["loc"]:  # a rule over several arguments: the input is all of them (an API key too)
+        return message
     return f"{name}: {message} (got {error['input']!r})"

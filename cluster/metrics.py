@@ -24,6 +24,17 @@ class RouterMetrics:
         self.prompt_tokens = metrics.Counter("v41_prompt_tokens_total", "prompt tokens")
         self.cached_tokens = metrics.Counter("v41_cached_prompt_tokens_total", "prompt tokens read from the store")
         self.output_tokens = metrics.Counter("v41_output_tokens_total", "generated tokens")
+        self.waiting = metrics.Gauge("v41_requests_waiting", "requests sent to the pools without a first token yet "
+                                     "(queued for a place in a batch, or in their prefill)")
+        self.queue_wait = metrics.Histogram("v41_queue_wait_seconds", "time a ready request waited for a place in "
+                                            "a decoder batch", boundaries=_LATENCY_BOUNDS)
+        self.redis_up = metrics.Gauge("v41_redis_up", "1 when the cluster index (Redis) answers, else 0")
+        self.stores_down = metrics.Gauge("v41_stores_down", "node stores not answering")
+
+    def parts(self, redis_up: bool, stores_down: int) -> None:
+        """The health of the parts the cache depends on, as /health last saw it."""
+        self.redis_up.set(int(redis_up))
+        self.stores_down.set(stores_down)
 
     def record(self, endpoint: str, status: str, prompt: int = 0, cached: int = 0, output: int = 0,
                ttft: float | None = None, total: float | None = None) -> None:
@@ -46,6 +57,8 @@ class DecoderMetrics:
 
     def __init__(self) -> None:
         self.running = metrics.Gauge("v41_decoder_running_requests", "requests in the continuous batch")
+        self.queued = metrics.Gauge("v41_decoder_queued_requests", "requests in the replica waiting for a place in "
+                                    "its batch")
         self.batch = metrics.Histogram("v41_decoder_batch_size", "requests per decode step",
                                        boundaries=[1, 2, 4, 8, 16, 32, 64])
         self.tokens = metrics.Counter("v41_decoder_step_tokens_total", "tokens emitted by decode steps")

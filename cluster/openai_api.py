@@ -26,9 +26,10 @@ class ApiError(Exception):
     """A request the API refuses: ``status`` (4xx) and an OpenAI error body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers  # HTTP headers of the answer (Retry-After on a 429)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -51,14 +52,48 @@ class GenerationRequest:
 _MAX_TOKENS_LIMIT = 1 << 20
 
 
+MAX_JSON_DEPTH = 64  # a chat request nests 5 deep; the limit only stops abuse
+
+
 def parse_json(body: bytes) -> dict:
+    """A request body as a JSON object, or an ApiError: not JSON, nested deeper than
+    ``MAX_JSON_DEPTH``, or holding a string that is not Unicode text (a lone surrogate
+    such as ``"\\ud800"`` is valid JSON but no character, and no tokenizer takes it)."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, f"request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    _check_values(data)
     return data
+
+
+def _check_values(data: dict) -> None:
+    """Depth and text checks over the parsed body, iteratively (no recursion to exhaust)."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels", where or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                stack.append((item, depth + 1, f"{where}.{key}" if where else key))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, f"{where}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where)
+
+
+def _check_text(value: str, where: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ApiError(400, f"{where or 'a key'}: not valid Unicode text ({error.reason} at character "
+                            f"{error.start})", where or None) from None
 
 
 # ---------------------------------------------------------------------- request schemas

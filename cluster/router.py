@@ -11,15 +11,21 @@ request ends.
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime.
 
+import asyncio
 import dataclasses
+import hmac
+import logging
+import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 
 from actors.replica import ModelIdentity, prompt_gil_handoff
 from cluster import openai_api as api
@@ -64,10 +70,70 @@ def parse_server_timing(header: str) -> tuple[dict[str, float], dict[str, str]]:
     return durations, descriptions
 
 
-fastapi_app = FastAPI(title="v41", docs_url=None, redoc_url=None)
+logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment(max_ongoing_requests=256)
+def _rebind_after_a_crash() -> None:
+    """Let a new router take the port of one that died.
+
+    Ray Serve 2.60's direct ingress binds a replica's HTTP port without SO_REUSEADDR.
+    When a router dies with connections open (a crash, SIGKILL, or `v41 serve` stopped
+    and started again), the kernel keeps those connections' sockets on the port for up
+    to a minute (TIME_WAIT, FIN_WAIT2); the replacement's bind fails, and Serve then
+    blocks the port for good: no router comes back. This has the router's server bind
+    the way Serve's proxy does (SO_REUSEADDR and SO_REUSEPORT). Serve never gives one
+    port to two live replicas, so no two routers share it. Runs where this module is
+    imported (the router replica, when Serve loads its class); a Ray without that
+    function is left alone."""
+    try:
+        from ray.serve._private import replica
+    except ImportError:
+        return
+    original = getattr(replica, "start_asgi_http_server", None)
+    if original is None or getattr(original, "v41_rebinds", False):
+        return
+
+    async def start_asgi_http_server(app, http_options, *, event_loop, enable_so_reuseport=False):
+        return await original(app, http_options, event_loop=event_loop, enable_so_reuseport=True)
+
+    start_asgi_http_server.v41_rebinds = True
+    replica.start_asgi_http_server = start_asgi_http_server
+
+
+_rebind_after_a_crash()
+fastapi_app = FastAPI(title="v41", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@fastapi_app.exception_handler(HTTPException)
+async def _http_error(request: Request, error: HTTPException):
+    """Unknown paths and wrong methods answer in the OpenAI error shape too."""
+    if error.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif error.status_code == 405:
+        message = f"Method {request.method} not allowed for {request.url.path}"
+    else:
+        message = str(error.detail)
+    body = api.ApiError(error.status_code, message).body()
+    return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its request waited."""
+
+
+def _chained(first, stream):
+    """``first``, then the rest of ``stream``."""
+    async def events():
+        yield first
+        async for event in stream:
+            yield event
+    return events()
+
+
+# Requests waiting for a place in a decoder batch queue at the router's handle to the
+# decoder pool, across its replicas (Serve's queue, FIFO); beyond ``max_queued_requests``
+# a request is answered 429. The router itself takes every connection.
+@serve.deployment(max_ongoing_requests=4096)
 @serve.ingress(fastapi_app)
 class Router:
     """The OpenAI-compatible ingress: tokenise, plan the cache, route, stream."""
@@ -93,13 +159,17 @@ class Router:
         self.template = ChatTemplate(self.tokenizer, memo_tokens=4 << 20)
         self.naming = model.naming
         self.metrics = RouterMetrics()
-        self.index = None
+        self.index, self.link = None, None
         if config.redis_url:
             from storage.index import RedisIndex
             from storage.redis_link import RedisLink
 
-            link = RedisLink(config.redis_url, namespace="v41", timeout_s=0.5, retry_s=1.0)
-            self.index = RedisIndex(link, key_ttl_s=config.chunk_retention_hours * 3600)
+            self.link = RedisLink(config.redis_url, namespace="v41", timeout_s=0.5, retry_s=1.0)
+            self.index = RedisIndex(self.link, key_ttl_s=config.chunk_retention_hours * 3600)
+        self.api_key = config.resolved_api_key()
+        self.finished: deque[float] = deque(maxlen=4096)  # when requests ended (time.monotonic), for Retry-After
+        self.waiting = 0  # dispatched requests without their first token yet
+        self._health: tuple[float, list[str]] | None = None
         # Recent answers' exact token ids by their text, so that the next turn of a
         # conversation re-renders them verbatim and its prefix stays cached.
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
@@ -119,10 +189,10 @@ class Router:
 
     # ------------------------------------------------------------------ plumbing
     def _authorize(self, request: Request) -> None:
-        if self.config.api_key is None:
+        if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.config.api_key}":
+        if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
             raise api.ApiError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
 
     def _plan(self, tokens: list[int]):
@@ -140,8 +210,8 @@ class Router:
         windows = self.naming.window_candidates(tokens[:-1], usable * size, named)
         now = time.time()
         located = self.index.locate(keys + [key for _, key in windows], now)
-        if located is None:  # Redis away: nothing known, the prefill's store decides
-            return CachePlan(tuple(tokens), 0, chunk_keys=named)
+        if located is None:  # Redis away: as on one node, the prefill's own store decides
+            return CachePlan(tuple(tokens), len(keys), chunk_keys=named)
         found_windows = located[len(keys):]
         depth = 0
         while depth < len(keys) and located[depth]:
@@ -150,7 +220,7 @@ class Router:
             windows = self.naming.window_candidates(tokens[:-1], depth * size, named)
             found_windows = self.index.locate([key for _, key in windows], now)
             if found_windows is None:
-                return CachePlan(tuple(tokens), depth, chunk_keys=named)
+                return CachePlan(tuple(tokens), len(keys), chunk_keys=named)
         known = tuple((window, locations) for window, locations in zip(windows, found_windows) if locations)
         best = [known[0][1]] if known else []
         if depth:
@@ -196,17 +266,46 @@ class Router:
             # two hops and a handoff (its batch waits about one step for it).
             # (An Engram lookup holds object refs: those travel by reference.)
             decoder = self.decoder_direct if lookup is None else self.decoder
-            return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup)
+            return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup), None
         stored = self.naming.loadable_chunks(plan)
         if stored and plan.chunk_keys:  # the decoder reads the stored prefix while the prefill runs
             self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored])
         handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes), engram=lookup)
-        return self.decoder.generate.remote(handoff, request.params, rid)
+
+        def without_the_pool():  # if the prefill pool fails, the decoder encodes the prompt itself
+            return self.decoder_direct.prefill_and_generate.remote(plan, request.params, rid)
+
+        return self.decoder.generate.remote(handoff, request.params, rid), without_the_pool
 
     # ------------------------------------------------------------------ endpoints
     @fastapi_app.get("/health")
     async def health(self):
-        return PlainTextResponse("ok")
+        """``{"status": "ok"}``, or ``"degraded"`` with the problems while a part the
+        cache depends on (Redis, a node's store) is down; it serves either way."""
+        problems = await self._problems()
+        return JSONResponse({"status": "degraded" if problems else "ok", "problems": problems})
+
+    async def _problems(self) -> list[str]:
+        now = time.monotonic()
+        if self._health is not None and now - self._health[0] < 1.0:
+            return self._health[1]
+        from actors.health import store_problems
+
+        checks = [store_problems()]
+        if self.link is not None:
+            checks.append(asyncio.to_thread(self._redis_problem))
+        found = [problem for problems in await asyncio.gather(*checks) for problem in problems]
+        self._health = (time.monotonic(), found)
+        self.metrics.parts(redis_up=not any(p.startswith("redis") for p in found),
+                           stores_down=sum(p.startswith("store") for p in found))
+        return found
+
+    def _redis_problem(self) -> list[str]:
+        try:
+            self.link.client.ping()
+            return []
+        except Exception as error:  # noqa: BLE001 (any failure means the same)
+            return [f"redis: not answering ({type(error).__name__}); serving without the cluster index"]
 
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request):
@@ -225,11 +324,32 @@ class Router:
     async def completions(self, request: Request):
         return await self._serve(request, chat=False)
 
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it is known to be over the
+        limit (before reading it when its Content-Length says so)."""
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise api.ApiError(400, "invalid Content-Length header")
+            if int(declared) > limit:
+                raise api.ApiError(413, f"request body is {int(declared)} bytes; the limit is {limit}",
+                                   code="request_too_large")
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise api.ApiError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+            parts.append(part)
+        return b"".join(parts)
+
     async def _serve(self, request: Request, chat: bool):
         endpoint, start, arrived = ("chat" if chat else "completions"), time.perf_counter(), time.time()
         try:
             self._authorize(request)
-            data = api.parse_json(await request.body())
+            body = await self._body(request)
+            # A big body is parsed off the event loop, so other clients' tokens keep flowing.
+            data = api.parse_json(body) if len(body) < 65536 else await asyncio.to_thread(api.parse_json, body)
             if chat:
                 parsed = api.parse_chat(data, self.config.model_name, self.config.max_tokens_default)
             else:
@@ -238,15 +358,36 @@ class Router:
             tokens = self._render(parsed)
             rid = api.new_id("chatcmpl" if chat else "cmpl")
             marks = {"router_in": arrived}
-            stream = await self._events(parsed, tokens, rid, marks)
+            stream, fallback = await self._events(parsed, tokens, rid, marks)
             marks["router_sent"] = time.time()
+            try:
+                first = await self._first(stream, request)
+            except (api.ApiError, ClientGone):
+                raise
+            except Exception as error:  # noqa: BLE001 (a prefill replica died, or the pool failed)
+                if fallback is None:
+                    raise
+                logger.warning("the prefill pool failed (%s): the decoder encodes the prompt", type(error).__name__)
+                stream = fallback()
+                first = await self._first(stream, request)
         except api.ApiError as error:
             self.metrics.record(endpoint, str(error.status))
-            return JSONResponse(error.body(), status_code=error.status)
+            return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        except ClientGone:
+            self.metrics.record(endpoint, "499")
+            return JSONResponse(api.ApiError(499, "client closed the request").body(), status_code=499)
+        except Exception as error:  # a replica died or failed before the first token
+            logger.exception("request failed before its first token")
+            self.metrics.record(endpoint, "503")
+            body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
+            return JSONResponse(body, status_code=503)
+        queued_ms = self._admitted(first, marks)
+        events = _chained(first, stream)
         if parsed.stream:
-            return StreamingResponse(self._sse(stream, parsed, rid, chat, start), media_type="text/event-stream")
+            return StreamingResponse(self._sse(events, parsed, rid, chat, start), media_type="text/event-stream",
+                                     headers={"x-v41-queue-ms": f"{queued_ms:.3f}"})
         try:
-            result = await self._collect(stream, parsed, start)
+            result = await self._collect(events, parsed, start)
         except Exception as error:  # the decoder died or failed: a clear error, nothing cached
             self.metrics.record(endpoint, "503")
             body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
@@ -265,11 +406,58 @@ class Router:
         marks.update(result["timeline"], router_out=time.time())
         return JSONResponse(body, background=counted,
                             headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
+                                     "x-v41-queue-ms": f"{queued_ms:.3f}",
                                      "server-timing": server_timing(marks, result["replica_s"], result["prefilled_by"])})
+
+    async def _first(self, stream, request: Request):
+        """The stream's first event (the first token), awaited before the response
+        starts so that a full queue is a 429 and a failure a 503, not a broken stream.
+        While the request waits for a place in a batch, a client that goes away takes
+        it out of the queue."""
+        self.waiting += 1
+        self.metrics.waiting.set(self.waiting)
+        first = asyncio.ensure_future(stream.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait((first,), timeout=0.5)
+                if done:
+                    return first.result()
+                if await request.is_disconnected():
+                    first.cancel()
+                    stream.cancel()
+                    raise ClientGone()
+        except BackPressureError as error:
+            queued = getattr(error, "args", (0,))[0] or 0
+            raise api.ApiError(429, "the server is at capacity: every decoder batch is full and the queue is "
+                                    f"full ({queued} requests waiting); retry later", kind="rate_limit_error",
+                               code="queue_full", headers={"retry-after": str(self._retry_after(queued))}) from None
+        finally:
+            self.waiting -= 1
+            self.metrics.waiting.set(self.waiting)
+
+    def _admitted(self, first: dict, marks: dict[str, float]) -> float:
+        """Milliseconds the request waited for a place in a batch, once ready for one
+        (after its prefill when the pool encoded it); recorded as a metric."""
+        timeline = first.get("timeline", {})
+        ready = timeline.get("prefill_out") if first.get("prefilled_by") == "pool" else marks.get("router_sent")
+        admitted = timeline.get("admitted")
+        waited = max(0.0, admitted - ready) if admitted is not None and ready is not None else 0.0
+        self.metrics.queue_wait.observe(waited)
+        return 1e3 * waited
+
+    def _retry_after(self, queued: int) -> int:
+        """Seconds until the queue has likely drained: its length over the rate requests
+        finished in the last 30 s (1 to 60)."""
+        now = time.monotonic()
+        recent = sum(1 for ended in self.finished if now - ended < 30.0)
+        if not recent:
+            return 5
+        return max(1, min(60, math.ceil(queued * 30.0 / recent)))
 
     async def _count(self, *args) -> None:
         """``metrics.record`` as a coroutine: Starlette would run a plain function in a
         worker thread, one more thread for the event loop to share the GIL with."""
+        self.finished.append(time.monotonic())
         self.metrics.record(*args)
 
     async def _collect(self, stream, request: api.GenerationRequest, start: float) -> dict:
@@ -337,6 +525,7 @@ class Router:
                 yield api.sse(chunk)
             if request.messages:
                 self._remember("".join(reasoning_parts) if request.thinking else None, "".join(parts), tokens)
+            self.finished.append(time.monotonic())
             self.metrics.record(endpoint, "200", prompt_tokens, cached, len(tokens), ttft, time.perf_counter() - start)
         except Exception as error:  # mid-stream failure: tell the client, end the stream
             self.metrics.record(endpoint, "503")

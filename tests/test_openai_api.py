@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.openai_api import ApiError, parse_chat, parse_completion
+from cluster.openai_api import ApiError, parse_chat, parse_completion, parse_json
 
 MODEL = "m"
 
@@ -76,3 +76,23 @@ def test_completions_take_text_or_ids_in_the_vocabulary():
     for extra in ({"echo": True}, {"best_of": 2}, {"suffix": "x"}, {"logprobs": 2}):
         with pytest.raises(ApiError, match="not supported"):
             parse_completion({"model": MODEL, "prompt": "x", **extra}, MODEL, 8, 100)
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"{not json", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nested deeper than 64"),  # past the parser's recursion
+    (b'{"a": ' + b"[" * 65 + b"]" * 65 + b"}", "nested deeper than 64"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content: not valid Unicode"),
+    (b'{"\\udfff": 1}', "not valid Unicode"),
+])
+def test_hostile_bodies_are_refused_with_a_400(body, words):
+    with pytest.raises(ApiError) as error:
+        parse_json(body)
+    assert error.value.status == 400 and words in error.value.message
+
+
+def test_a_body_within_the_limits_parses():
+    body = b'{"a": ' + b"[" * 63 + b"]" * 63 + b', "b": "\\ud83d\\ude00"}'  # a surrogate pair is one character
+    assert parse_json(body)["b"] == "\U0001F600"

@@ -39,3 +39,17 @@ def test_app_arguments_are_validated():
     with pytest.raises(ValueError, match="no checkpoint"):
         AppConfig.from_args({"model": "/nonexistent"})
     assert resolve_model("tests/golden/A") == ROOT / "tests" / "golden" / "A"
+    with pytest.raises(ValueError, match="decoder_max_replicas"):
+        AppConfig.from_args({"decoder_replicas": 2, "decoder_max_replicas": 1})
+    with pytest.raises(ValueError, match="api_key or api_key_file"):
+        AppConfig.from_args({"api_key": "k", "api_key_file": "/k"})
+
+
+def test_the_decoder_pool_queues_at_the_router_and_autoscales_on_its_batch():
+    from cluster.app import decoder_options
+
+    fixed = decoder_options(AppConfig.from_args({"max_batch": 16, "max_queued_requests": 100}))
+    assert (fixed["num_replicas"], fixed["max_ongoing_requests"], fixed["max_queued_requests"]) == (1, 20, 100)
+    scaled = decoder_options(AppConfig.from_args({"max_batch": 32, "decoder_replicas": 2, "decoder_max_replicas": 8}))
+    assert "num_replicas" not in scaled and scaled["max_ongoing_requests"] == 40
+    assert scaled["autoscaling_config"] == {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 32}
