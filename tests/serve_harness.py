@@ -14,14 +14,14 @@ GOLDEN = Path(__file__).parent / "golden" / "A"
 
 @contextlib.contextmanager
 def running_app(tmp_path: Path, address: str | None = None, port: int | None = None, **args):
-    """Yields the base URL of the app (``http://127.0.0.1:PORT``) and the Redis server,
-    started as `v41 serve` starts it. With ``address`` (a cluster started after
+    """Yields the base URL of the app (``http://127.0.0.1:PORT``) and the Redis
+    supervisor (``.server``: the Redis server), started as `v41 serve` starts them. With ``address`` (a cluster started after
     ``use_serve_environment(port)``), give the same ``port``."""
     port = port or free_port()
     config = {"model": str(GOLDEN), "ssd_dir": str(tmp_path / "ssd-{node}"), "chunk_tokens": 32, **args}
     try:
-        with local_app(config, port=port, object_store_mb=256, address=address, num_cpus=4) as redis:
-            yield f"http://127.0.0.1:{port}", redis
+        with local_app(config, port=port, object_store_mb=256, address=address, num_cpus=4) as supervisor:
+            yield f"http://127.0.0.1:{port}", supervisor
     finally:
         time.sleep(0.5)
 
@@ -51,3 +51,27 @@ def stored_objects() -> int:
             return -1
         total += sum(stats.objects.values())
     return total
+
+
+def replica_actor_name(deployment: str) -> str:
+    """The Ray actor name of a replica of ``deployment`` (in namespace "serve")."""
+    from ray.util import list_named_actors
+
+    names = [a["name"] for a in list_named_actors(all_namespaces=True) if deployment in a["name"]]
+    assert names, f"no replica of {deployment}"
+    return names[0]
+
+
+def node_store_actor():
+    """The store actor of this machine's (first) node."""
+    import ray
+
+    return ray.get_actor(f"v41-store-{ray.nodes()[0]['NodeID']}", namespace="v41")
+
+
+def health(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
+        return json.loads(response.read())

@@ -15,7 +15,7 @@ import ray
 from cluster.router import parse_server_timing
 from model.chat import ChatTemplate, Message, Tokenizer
 from model.runtime.engine import Engine
-from tests.serve_harness import GOLDEN, running_app, stored_objects, wait_until
+from tests.serve_harness import GOLDEN, health, replica_actor_name, running_app, stored_objects, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "deepseek-v4.1-small"
@@ -43,8 +43,7 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
 
 def test_models_and_health(app, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    with urllib.request.urlopen(f"{app}/health", timeout=10) as response:
-        assert response.read() == b"ok"
+    assert health(app) == {"status": "ok", "problems": []}
 
 
 def test_chat_streaming_equals_plain_and_counts_usage(client):
@@ -187,7 +186,7 @@ def test_killed_decoder_mid_stream_gives_an_error_and_caches_nothing(client):
     chunks = iter(stream)
     assert next(chunks).choices[0].delta.role == "assistant"
     assert next(chunks).choices[0].delta.content is not None  # decoding has started
-    replica = ray.get_actor(_replica_actor_name("DecoderPool"), namespace="serve")
+    replica = ray.get_actor(replica_actor_name("DecoderPool"), namespace="serve")
     ray.kill(replica, no_restart=True)
     with pytest.raises(openai.APIError):
         for _ in chunks:  # the stream ends with an error object, which the SDK raises
@@ -203,11 +202,3 @@ def test_killed_decoder_mid_stream_gives_an_error_and_caches_nothing(client):
                 raise
             time.sleep(2)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
-
-
-def _replica_actor_name(deployment: str) -> str:
-    from ray.util import list_named_actors
-
-    names = [a["name"] for a in list_named_actors(all_namespaces=True) if deployment in a["name"]]
-    assert names, f"no replica of {deployment}"
-    return names[0]

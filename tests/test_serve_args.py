@@ -1,0 +1,59 @@
+"""`v41 serve`'s arguments: --config (a Serve YAML or a mapping of the app's
+arguments), the flags over it, and the API key from a file or the environment."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.cli import UserError
+from cluster.commands.serve import API_KEY_ENV, add_arguments, app_arguments
+from cluster.config import AppConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(*argv: str) -> dict:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return app_arguments(parser.parse_args(list(argv)))
+
+
+def test_defaults_are_the_shipped_model_and_a_local_cache(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    args = parse()
+    assert args == {"model": str(ROOT / "configs" / "small"),
+                    "ssd_dir": str(Path(".v41/cache").resolve() / "{node}")}
+
+
+def test_a_serve_yaml_gives_its_first_applications_args_and_flags_win(tmp_path, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    yaml_args = yaml.safe_load((ROOT / "configs" / "serve-local.yaml").read_text())["applications"][0]["args"]
+    args = parse("--config", str(ROOT / "configs" / "serve-local.yaml"), "--max-batch", "8", "--ram-gb", "1.5",
+                 "--chunk-retention-hours", "24")
+    assert args == {**yaml_args, "max_batch": 8, "ram_capacity_bytes": 3 << 29, "chunk_retention_hours": 24.0}
+    assert AppConfig.from_args(args).retention().ram_capacity_bytes == 3 << 29
+    plain = tmp_path / "args.yaml"
+    plain.write_text("max_queued_requests: 32\nwindow_ttl_minutes: 5\n")
+    args = parse("--config", str(plain), "--cache-dir", str(tmp_path / "c"))
+    assert args["max_queued_requests"] == 32 and args["ssd_dir"] == str(tmp_path / "c" / "{node}")
+
+
+def test_a_mistake_is_one_line_naming_the_argument(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_batch: 0\nsurprise: 1\n")
+    with pytest.raises(UserError, match="max_batch.*surprise|surprise.*max_batch"):
+        parse("--config", str(bad))
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    args = parse("--api-key-file", str(key_file))
+    assert "api_key" not in args and AppConfig.from_args(args).resolved_api_key() == "s3cret"
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert AppConfig.from_args(parse()).resolved_api_key() == "from-env"
