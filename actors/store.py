@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -31,6 +32,7 @@ from storage.store import StoreConfig, TieredStore
 
 NODE_NAME_ENV = "V41_NODE_NAME"  # set on a machine (before `ray start`) to name its SSD slot
 STORE_TIMEOUT_S = 5.0  # a store read that takes longer is a miss (the actor is restarting or hung)
+STORE_RETRY_S = 2.0  # after a failed read, a client's reads miss at once for this long
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ class RemoteStore:
     """The :class:`actors.prefill.StoreLike` face of a store actor (blocking calls).
 
     A read that fails or takes longer than ``timeout_s`` (the actor is restarting) is a
-    miss for every key; a failed write is dropped. With ``settings``, a failure also
+    miss for every key, and so is every read for ``STORE_RETRY_S`` after it (one wait per
+    request, not one per read); a failed write is dropped. With ``settings``, a failure also
     re-sends them, or replaces an actor that is gone for good.
     """
 
@@ -153,11 +156,15 @@ class RemoteStore:
         self._settings, self._fingerprint, self._node_id = settings, fingerprint, node_id
         self._namespace, self._timeout_s = namespace, timeout_s
         self.failures = 0
+        self._down_until = 0.0  # time.monotonic(): after a failure, reads miss at once until then
 
     def get_many(self, keys: list[ObjectKey]) -> list[bytes | None]:
+        if time.monotonic() < self._down_until:
+            return [None] * len(keys)
         try:
             return ray.get(self.handle.get_many.remote(keys), timeout=self._timeout_s)
         except (RayError, GetTimeoutError):
+            self._down_until = time.monotonic() + STORE_RETRY_S
             self.recover()
             return [None] * len(keys)
 

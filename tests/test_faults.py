@@ -241,9 +241,34 @@ def test_a_redeploy_with_new_store_settings_applies_them(app, client):
     elsewhere = root / "moved"
     serve.run(build_app({"model": str(Path(__file__).parent / "golden" / "A"), "chunk_tokens": 32,
                          "speculation": "off", "ssd_dir": str(elsewhere / "{node}"), "redis_url": supervisor.server.url,
-                         "window_ttl_minutes": 7.0}), name="v41", route_prefix="/")
+                         "window_ttl_minutes": 7.0, "max_batch": 1, "max_queued_requests": 1}),
+              name="v41", route_prefix="/")
     after = ray.get(store.ssd_dir.remote())
     assert after.startswith(str(elsewhere)), after
     client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0,
                                    messages=[{"role": "user", "content": "def g():\n    pass\n" * 20}])
     wait_until(lambda: any((Path(after) / "objects").rglob("*.chunk")), 30, "a chunk written to the new directory")
+
+
+def test_a_full_queue_is_a_429_with_retry_after(app, client):
+    """(After the redeploy above: a batch of 1, 4 more in the replica, 1 at the router.)
+    Eight streams at once: the replica's five places are answered, some of the rest
+    refused with 429 and Retry-After in the OpenAI shape, before any stream starts."""
+    def stream(i: int):
+        try:
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=24, temperature=0, stream=True,
+                messages=[{"role": "user", "content": f"def queue_{i}():"}])
+            return 200, [c.choices[0].finish_reason for c in raw.parse() if c.choices][-1]
+        except openai.APIStatusError as error:
+            return error.status_code, (error.response.headers.get("retry-after"), error.body)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(stream, range(8)))
+    refused = [detail for status, detail in results if status == 429]
+    print(f"\n8 streams against 5 places and a queue of 1: {[status for status, _ in results]}")
+    assert {status for status, _ in results} <= {200, 429}, results
+    assert refused and len(results) - len(refused) >= 5
+    assert all(finish in ("length", "stop") for status, finish in results if status == 200)
+    for retry_after, body in refused:
+        assert int(retry_after) >= 1 and body["code"] == "queue_full" and body["type"] == "rate_limit_error"
