@@ -37,15 +37,9 @@ def _plain_greedy(prompt: list[int], n: int) -> str:
 
 def test_serve_command_starts_serves_and_stops_everything(tmp_path):
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--cache-dir", str(tmp_path / "cache")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = _start(port, tmp_path)
     try:
-        deadline = time.time() + 240
-        line = ""
-        while "serving" not in line:
-            assert time.time() < deadline and process.poll() is None, "v41 serve did not come up"
-            line = process.stdout.readline()
+        line = _wait_serving(process)
         assert f"http://127.0.0.1:{port}/v1" in line
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as response:
             assert json.loads(response.read())["status"] == "ok"
@@ -64,6 +58,54 @@ def test_serve_command_starts_serves_and_stops_everything(tmp_path):
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    # Everything it started is gone: no process of its session is left.
+    _nothing_left(process)
+    # Started again at once on the same port (the old connections' sockets linger on it).
+    process = _start(port, tmp_path, "--speculation", "off")
+    try:
+        _wait_serving(process)
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 24
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    _nothing_left(process)
+
+
+def test_a_signal_while_starting_stops_everything_started(tmp_path):
+    process = _start(free_port(), tmp_path)
+    try:
+        time.sleep(8)  # Redis and Ray are up, the app is deploying
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0
+        assert "stopped while starting" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    _nothing_left(process)
+
+
+def _start(port: int, tmp_path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--cache-dir", str(tmp_path / "cache"),
+         *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_serving(process: subprocess.Popen) -> str:
+    """The line announcing the URL (the only URL it prints: not Serve's proxy's)."""
+    deadline = time.time() + 240
+    lines = [""]
+    while "serving" not in lines[-1]:
+        assert time.time() < deadline and process.poll() is None, "v41 serve did not come up"
+        lines.append(process.stdout.readline())
+    assert not any("ready at" in line for line in lines), lines
+    return lines[-1]
+
+
+def _nothing_left(process: subprocess.Popen) -> None:
+    """Everything it started is gone: no process of its session is left (Redis included)."""
+    time.sleep(1)
     leftover = subprocess.run(["pgrep", "-s", str(process.pid)], capture_output=True, text=True).stdout.split()
     assert leftover == []
