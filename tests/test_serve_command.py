@@ -3,6 +3,7 @@ speculation in the decoder pool), serves, and stops all of it on SIGINT."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,42 +36,41 @@ def _plain_greedy(prompt: list[int], n: int) -> str:
     return load_tokenizer(SMALL).decode(tokens)
 
 
+@contextlib.contextmanager
+def _serving(port: int, tmp_path, *extra: str):
+    """`v41 serve` up (yields the line with its URL); on the way out SIGINT, a clean
+    exit, and nothing of it left running."""
+    process = _start(port, tmp_path, *extra)
+    try:
+        yield _wait_serving(process)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=90) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    _nothing_left(process)
+
+
 def test_serve_command_starts_serves_and_stops_everything(tmp_path):
     port = free_port()
-    process = _start(port, tmp_path)
-    try:
-        line = _wait_serving(process)
+    prompt = list(range(300, 360))
+    body = json.dumps({"model": "deepseek-v4.1-small", "prompt": prompt, "max_tokens": 24,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with _serving(port, tmp_path) as line:
         assert f"http://127.0.0.1:{port}/v1" in line
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as response:
             assert json.loads(response.read())["status"] == "ok"
         # A greedy completion through the speculative decoder equals plain decoding.
-        prompt = list(range(300, 360))
-        body = json.dumps({"model": "deepseek-v4.1-small", "prompt": prompt, "max_tokens": 24,
-                           "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"content-type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
         assert answer["usage"]["completion_tokens"] == 24
         assert answer["choices"][0]["text"] == _plain_greedy(prompt, 24)
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=90) == 0
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    _nothing_left(process)
     # Started again at once on the same port (the old connections' sockets linger on it).
-    process = _start(port, tmp_path, "--speculation", "off")
-    try:
-        _wait_serving(process)
+    with _serving(port, tmp_path, "--speculation", "off"):
         with urllib.request.urlopen(request, timeout=120) as response:
             assert json.loads(response.read())["usage"]["completion_tokens"] == 24
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=90) == 0
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    _nothing_left(process)
 
 
 def test_a_signal_while_starting_stops_everything_started(tmp_path):
