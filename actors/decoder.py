@@ -5,9 +5,14 @@ is its Serve deployment): it admits
 handoffs from the prefill pool into a :class:`model.runtime.batcher.Batcher`, steps the
 batch, and when a request ends normally writes the conversation's new whole chunks
 and its window state to the node's store. A request that fails or is cancelled
-writes nothing, so the store never holds a partial conversation. Writes are
-deferred to :meth:`DecoderService.write_pending`, which the replica runs after the
-tokens went out, so serialising a conversation never delays its last token.
+writes nothing, so the store never holds a partial conversation.
+
+An agent sends its next turn the moment the last answer is out, so the replica
+stores a finished conversation *before* it sends the request's last token: the
+objects are in the node's RAM tier and their index entries in Redis by the time the
+client has the answer, and the next turn finds all of it. Serialising a finished
+conversation (:meth:`DecoderService.conversation_objects`) runs on the engine thread;
+the store call runs on the event loop while the batch steps on.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from model.runtime.sampling import SamplingParams
 from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
 from storage.keys import ObjectKey
 
-from .prefill import PrefillService, StoreLike, read_through
+from .prefill import Moved, PrefillService, StoreLike, read_through
 from .store import STORE_TIMEOUT_S
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
 from .state import CachePlan, Handoff, StateNaming
@@ -64,7 +69,7 @@ class DecoderService:
         self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._finished,
                                speculation=speculation)
         self._requests: dict[str, _Conversation] = {}
-        self._pending: list[tuple[_Conversation, SequenceCache, list[int]]] = []
+        self._pending: dict[str, tuple[_Conversation, SequenceCache, list[int]]] = {}
         self.last_admit_s = 0.0
 
     def admit(self, request_id: str, handoff: Handoff, params: SamplingParams,
@@ -94,7 +99,9 @@ class DecoderService:
         keys = list(handoff.chunk_keys[: handoff.stored_chunks])
         if not keys:
             return cache
-        blobs = read_through(self.store, self.peers, keys, [handoff.prefix_node], fetched)
+        moved = Moved()
+        blobs = read_through(self.store, self.peers, keys, [handoff.prefix_node], fetched, moved)
+        handoff.moved_bytes += moved.bytes
         loaded = load_chunks(cache, itertools.takewhile(bool, blobs), self.naming.identity)
         if loaded < len(keys):
             raise PrefixUnavailable(f"{len(keys) - loaded} of the {len(keys)} stored chunks of the prompt are gone "
@@ -121,25 +128,37 @@ class DecoderService:
     def _finished(self, request_id: str, cache: SequenceCache, generated: list[int]) -> None:
         handoff = self._requests.pop(request_id, None)
         if handoff is not None:
-            self._pending.append((handoff, cache, generated))
+            self._pending[request_id] = (handoff, cache, generated)
+
+    def conversation_objects(self, request_id: str) -> list[tuple[ObjectKey, bytes]]:
+        """A finished request's new whole chunks and its window state, as (key, bytes),
+        once (empty if it did not finish, or was taken already)."""
+        pending = self._pending.pop(request_id, None)
+        return self._objects(*pending) if pending is not None else []
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's conversation without storing it."""
+        self._pending.pop(request_id, None)
 
     def write_pending(self) -> None:
-        """Store every finished conversation's new whole chunks and window state."""
-        pending, self._pending = self._pending, []
-        for handoff, cache, generated in pending:
-            self._write_back(handoff, cache, generated)
+        """Store every finished conversation not stored yet (chunks and window state)."""
+        pending, self._pending = self._pending, {}
+        for conversation in pending.values():
+            for key, payload in self._objects(*conversation):
+                self.store.put(key, payload)
 
-    def _write_back(self, handoff: _Conversation, cache: SequenceCache, generated: list[int]) -> None:
+    def _objects(self, handoff: _Conversation, cache: SequenceCache,
+                 generated: list[int]) -> list[tuple[ObjectKey, bytes]]:
         tokens = list(handoff.token_ids) + generated[:-1]  # the last token was never fed
         if len(tokens) != cache.length:
             raise RuntimeError(f"cache holds {cache.length} tokens, the conversation {len(tokens)}")
         size = self.naming.chunk_tokens
         whole = cache.length // size
         keys = self.naming.chunks(tokens, known=handoff.chunk_keys)
-        for index in range(handoff.stored_chunks, whole):
-            self.store.put(keys[index], chunk_to_bytes(cache, index * size, size, self.naming.identity))
+        objects = [(keys[index], chunk_to_bytes(cache, index * size, size, self.naming.identity))
+                   for index in range(handoff.stored_chunks, whole)]
         window = self.naming.window(tokens, known=tuple(keys))
-        self.store.put(window, window_to_bytes(cache, whole * size, self.naming.identity))
+        return objects + [(window, window_to_bytes(cache, whole * size, self.naming.identity))]
 
 
 # ---------------------------------------------------------------------- deployment
@@ -169,7 +188,7 @@ class DecoderPool:
         self.queued = 0  # requests in this replica waiting for a place
         self.prefetched: OrderedDict[ObjectKey, asyncio.Future] = OrderedDict()
 
-    async def prefetch(self, keys: tuple[ObjectKey, ...]) -> None:
+    async def prefetch(self, keys: tuple[ObjectKey, ...], preferred_nodes: list[str] | None = None) -> None:
         """Start reading a returning turn's stored prefix from this node's store while
         the prefill pool encodes the turn (the router sends it with the prefill): the
         handoff that follows finds its chunks here. Kept for the last 16 prefixes."""
@@ -179,9 +198,10 @@ class DecoderPool:
             while len(self.prefetched) > 16:
                 self.prefetched.popitem(last=False)[1].cancel()
 
-    async def generate(self, handoff, params, request_id: str):
+    async def generate(self, handoff, params, request_id: str, preferred_nodes: list[str] | None = None):
         """Yields one dict per generated token; the first also carries ``cached_tokens``,
-        ``prompt_tokens`` and ``replica_s`` (one stream item fewer per request)."""
+        ``prompt_tokens`` and ``replica_s`` (one stream item fewer per request).
+        ``preferred_nodes`` is read by the request router (cache affinity)."""
         arrived = time.time()
         prefix = None
         if handoff.stored_chunks:
@@ -252,9 +272,11 @@ class DecoderPool:
         try:
             handoff, first = await loop.run_in_executor(self.executor, admit)
             timeline = {**handoff.timeline, "admitted": admitted, "decode_out": time.time()}
+            if first.finish_reason is not None:
+                await self._store_conversation(request_id)
             yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
                    "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
-                   "prefilled_by": handoff.prefilled_by,
+                   "prefilled_by": handoff.prefilled_by, "moved_bytes": handoff.moved_bytes,
                    **dataclasses.asdict(first)}
             if first.finish_reason is not None:
                 return
@@ -264,6 +286,8 @@ class DecoderPool:
                 event = await queue.get()
                 if isinstance(event, BaseException):
                     raise event
+                if event.finish_reason is not None:
+                    await self._store_conversation(request_id)
                 yield dataclasses.asdict(event)
                 if event.finish_reason is not None:
                     return
@@ -271,8 +295,17 @@ class DecoderPool:
             self.queues.pop(request_id, None)
             if request_id in self.service.batcher.running:  # client gone: drop the request
                 await loop.run_in_executor(self.executor, self.service.cancel, request_id)
-            # Store finished conversations now that their tokens are out (same engine thread).
-            loop.run_in_executor(self.executor, self.service.write_pending)
+            self.service.forget(request_id)  # finished, but its client left before the end
+
+    async def _store_conversation(self, request_id: str) -> None:
+        """Store a finished request's conversation in this node's RAM tier and index it,
+        before its last token goes out: the next turn, sent the moment the answer is
+        complete, finds every chunk. A store that does not answer in time costs the
+        next turn its hit, never this request."""
+        objects = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.service.conversation_objects, request_id)
+        if objects:
+            await self.service.store.put_now(objects)
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -21,7 +21,6 @@ from typing import Protocol
 
 import torch
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from cluster.config import AppConfig
 from model.runtime.engine import DecoderInput, Engine
@@ -40,13 +39,21 @@ class StoreLike(Protocol):
     def put(self, key: ObjectKey, payload: bytes) -> None: ...
 
 
+class Moved:
+    """Bytes a request read from other nodes' stores (the cost of moving its cache)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
 def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | None, keys: list[ObjectKey],
                  nodes: tuple[str | None, ...] | list[str | None],
-                 fetched: list[bytes | None] | None = None) -> list[bytes | None]:
+                 fetched: list[bytes | None] | None = None, moved: Moved | None = None) -> list[bytes | None]:
     """``store.get_many(keys)``, and what it misses from the stores of ``nodes`` in turn
     (node to node, never through the router), kept in ``store`` for the next turn.
     ``peers(node)`` gives a node's store, None if it has none. ``fetched``: what was
-    already read for the first keys (a prefetch); only the rest is asked of ``store``."""
+    already read for the first keys (a prefetch); only the rest is asked of ``store``.
+    ``moved`` counts the bytes read from other nodes."""
     blobs = list(fetched or ())[: len(keys)]
     blobs += [None] * (len(keys) - len(blobs))
     missing = [i for i, blob in enumerate(blobs) if blob is None]
@@ -62,6 +69,8 @@ def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | No
             if blob is not None:
                 blobs[i] = blob
                 store.put(keys[i], blob)
+                if moved is not None:
+                    moved.bytes += len(blob)
         missing = [i for i in missing if blobs[i] is None]
     return blobs
 
@@ -87,7 +96,8 @@ class PrefillService:
             raise ValueError("empty prompt")
         start = time.perf_counter()
         keys = tuple(plan.chunk_keys) if plan.chunk_keys is not None else tuple(self.naming.chunks(tokens))
-        cache, chunks_read, resumed = self._load_stored(tokens, plan, keys)
+        moved = Moved()
+        cache, chunks_read, resumed = self._load_stored(tokens, plan, keys, moved)
         replay: DecoderInput | None = None
         if not resumed and cache.length:
             replay = self.engine.restore(cache, tokens[: cache.length])
@@ -112,9 +122,10 @@ class PrefillService:
             chunk_keys=keys,
             prefix_node=self.node_id,
             prefill_s=time.perf_counter() - start,
+            moved_bytes=moved.bytes,
         )
 
-    def _load_stored(self, tokens: list[int], plan: CachePlan, chunk_keys: tuple[ObjectKey, ...]):
+    def _load_stored(self, tokens: list[int], plan: CachePlan, chunk_keys: tuple[ObjectKey, ...], moved: Moved):
         """The longest run of stored chunks that verifies (a bad chunk ends the run),
         then the window state after them if the store has it. One store call when the
         chunks are good; none when the plan says nothing is stored."""
@@ -125,7 +136,7 @@ class PrefillService:
         windows = (list(plan.windows) if plan.windows is not None
                    else self._window_candidates(tokens, usable, chunk_keys))
         others = [node for node in plan.nodes if node != self.node_id]
-        blobs = read_through(self.store, self.peers, keys + [key for _, key in windows], others)
+        blobs = read_through(self.store, self.peers, keys + [key for _, key in windows], others, moved=moved)
         present = itertools.takewhile(lambda blob: blob is not None, blobs[: len(keys)])
         loaded = load_chunks(cache, present, self.naming.identity)  # up to a missing or bad chunk
         if loaded and self.engine.hasher is not None:
@@ -133,7 +144,8 @@ class PrefillService:
             _, cache.ngram = self.engine.hasher.hash_ids(torch.tensor([tokens[: cache.length]]))
         if loaded < usable:  # a chunk was missing or bad: the windows after it instead
             windows = self._window_candidates(tokens, loaded, chunk_keys)
-            blobs = [None] * len(keys) + read_through(self.store, self.peers, [key for _, key in windows], others)
+            blobs = [None] * len(keys) + read_through(self.store, self.peers, [key for _, key in windows], others,
+                                                      moved=moved)
         return cache, loaded, self._load_window(cache, windows, blobs[len(keys):])
 
     def _window_candidates(self, tokens: list[int], chunks: int,
@@ -159,8 +171,7 @@ class PrefillService:
 # ---------------------------------------------------------------------- deployment
 
 
-@serve.deployment(request_router_config=RequestRouterConfig(
-    request_router_class="cluster.routing:PrefixAffinityRouter"))
+@serve.deployment  # its request router: cluster/app.py, from the config's `routing`
 class PrefillPool:
     """A prefill replica: the encoder half and the CED projection, and its node's store."""
 

@@ -16,6 +16,7 @@ was created with), and one whose actor is gone for good gets a new one.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -105,6 +106,13 @@ class StoreActor:
     def put(self, key: ObjectKey, payload: bytes) -> None:
         self.store.put(key, payload)
 
+    def put_indexed(self, objects: list[tuple[ObjectKey, bytes]]) -> bool:
+        """Store ``objects`` and send their index entries now (not on the publisher's
+        next beat); True once Redis has them (False without Redis, or with it away)."""
+        for key, payload in objects:
+            self.store.put(key, payload)
+        return self.store.publish()
+
     def remove(self, key: ObjectKey) -> None:
         self.store.remove(key)
 
@@ -170,6 +178,16 @@ class RemoteStore:
 
     def put(self, key: ObjectKey, payload: bytes) -> None:
         self.handle.put.remote(key, payload)  # fire and forget: the store writes behind anyway
+
+    async def put_now(self, objects: list[tuple[ObjectKey, bytes]]) -> bool:
+        """Store ``objects`` in the node's RAM tier and index them, and wait for it (up
+        to the read timeout); False if the store or Redis did not take them in time."""
+        try:
+            ref = self.handle.put_indexed.remote(objects)
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._timeout_s)
+        except (RayError, TimeoutError):
+            self.recover()
+            return False
 
     def recover(self) -> None:
         """After a failed call: get the node's store actor again (the same one once Ray

@@ -68,6 +68,10 @@ class AppConfig(BaseModel):
     # "fixed" (speculation_k guesses per request and step) or "off".
     speculation: Literal["off", "fixed", "scheduled"] = "scheduled"
     speculation_k: NonNegativeInt = 3
+    # Which replica of a pool takes a request: "affinity" (where its cache is, RAM first;
+    # cluster/routing.py), "pow2" (Serve's default) or "round_robin": the last two for
+    # comparison (`v41 bench agents`).
+    routing: Literal["affinity", "pow2", "round_robin"] = "affinity"
     # A prompt with nothing stored and at most this many tokens is encoded by the
     # decoder replica itself instead of the prefill pool (0: always the pool).
     local_prefill_tokens: NonNegativeInt = 128

@@ -268,14 +268,15 @@ class Router:
             decoder = self.decoder_direct if lookup is None else self.decoder
             return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup), None
         stored = self.naming.loadable_chunks(plan)
+        nodes = list(plan.nodes)  # where the cache is, best first: both pools' replicas there are preferred
         if stored and plan.chunk_keys:  # the decoder reads the stored prefix while the prefill runs
-            self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored])
-        handoff = self.prefill.prefill.remote(plan, preferred_nodes=list(plan.nodes), engram=lookup)
+            self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored], preferred_nodes=nodes)
+        handoff = self.prefill.prefill.remote(plan, preferred_nodes=nodes, engram=lookup)
 
         def without_the_pool():  # if the prefill pool fails, the decoder encodes the prompt itself
             return self.decoder_direct.prefill_and_generate.remote(plan, request.params, rid)
 
-        return self.decoder.generate.remote(handoff, request.params, rid), without_the_pool
+        return self.decoder.generate.remote(handoff, request.params, rid, preferred_nodes=nodes), without_the_pool
 
     # ------------------------------------------------------------------ endpoints
     @fastapi_app.get("/health")
@@ -385,7 +386,8 @@ class Router:
         events = _chained(first, stream)
         if parsed.stream:
             return StreamingResponse(self._sse(events, parsed, rid, chat, start), media_type="text/event-stream",
-                                     headers={"x-v41-queue-ms": f"{queued_ms:.3f}"})
+                                     headers={"x-v41-queue-ms": f"{queued_ms:.3f}",
+                                              "x-v41-moved-bytes": str(first.get("moved_bytes", 0))})
         try:
             result = await self._collect(events, parsed, start)
         except Exception as error:  # the decoder died or failed: a clear error, nothing cached
@@ -407,6 +409,7 @@ class Router:
         return JSONResponse(body, background=counted,
                             headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
                                      "x-v41-queue-ms": f"{queued_ms:.3f}",
+                                     "x-v41-moved-bytes": str(first.get("moved_bytes", 0)),
                                      "server-timing": server_timing(marks, result["replica_s"], result["prefilled_by"])})
 
     async def _first(self, stream, request: Request):

@@ -253,6 +253,11 @@ class TieredStore:
         while not self._closed.wait(self._policy.gc_interval_s):
             self.gc()
 
+    def publish(self) -> bool:
+        """Send queued index updates now (the request path pays one Redis round trip or
+        two); True when Redis holds this node's current state, False without Redis."""
+        return self._publisher.flush() if self._publisher is not None else False
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued writes, then send queued index updates; True if both are done."""
         written = self._writer.flush(timeout)

@@ -15,7 +15,7 @@ import ray
 from cluster.router import parse_server_timing
 from model.chat import ChatTemplate, Message, Tokenizer
 from model.runtime.engine import Engine
-from tests.serve_harness import GOLDEN, health, replica_actor_name, running_app, stored_objects, wait_until
+from tests.serve_harness import GOLDEN, health, replica_actor_name, running_app
 
 pytestmark = pytest.mark.slow
 MODEL = "deepseek-v4.1-small"
@@ -111,14 +111,12 @@ def test_completions_stop_string(client):
 
 def test_second_turn_is_cached_and_equals_a_cold_exact_run(client):
     first = [{"role": "user", "content": "def parse(path):\n    with open(path) as handle:\n" * 6}]
-    before = stored_objects()
     one = client.chat.completions.create(model=MODEL, messages=first, max_tokens=10, temperature=0)
     assert one.usage.prompt_tokens_details.cached_tokens == 0
     second = first + [{"role": "assistant", "content": one.choices[0].message.content},
                       {"role": "user", "content": "and the writer?"}]
-    # The conversation is written behind the response (issue 17: the next turn should
-    # find it even before then).
-    wait_until(lambda: stored_objects() > before, what="turn one's write")
+    # Sent the moment the answer is in, as an agent does: the conversation was stored
+    # and indexed before its last token went out.
     two = client.chat.completions.create(model=MODEL, messages=second, max_tokens=10, temperature=0)
     # Everything but the answer's last token (never fed) came from turn one's window state,
     # which the router found in the index.
@@ -138,6 +136,23 @@ def test_second_turn_is_cached_and_equals_a_cold_exact_run(client):
                                   Message("user", "and the writer?")])
     cold = generate(engine, [prompt_two], greedy, eos_token_ids=(1,))[0]
     assert two.choices[0].message.content == template.tokenizer.decode(cold, skip_special_tokens=True)
+
+
+def test_an_agent_loop_of_immediate_turns_always_hits(client):
+    """Five turns, each sent the moment the last streamed answer ended (a tool result
+    appended): every turn reads the whole conversation so far from the store."""
+    messages = [{"role": "system", "content": "You call tools.\n" * 10},
+                {"role": "user", "content": "list the files\n" * 8}]
+    history = 0
+    for turn in range(5):
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        if turn:
+            assert usage.prompt_tokens_details.cached_tokens == history, turn
+        history = usage.prompt_tokens + usage.completion_tokens - 1  # the last token was never fed
+        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"tool output {turn}\n"}]
 
 
 @pytest.mark.parametrize("body, status, code", [

@@ -18,6 +18,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "store": ("cluster.bench.store", "tiered store GET/PUT throughput against the raw tiers"),
     "engram": ("cluster.bench.engram", "Engram service lookups and prefill with prefetch against in-process tables"),
     "spec": ("cluster.bench.spec", "DSpark speculative decoding against plain, the scheduler against fixed k"),
+    "agents": ("cluster.bench.agents", "agent sessions on several raylets, routing policies side by side"),
     "load": ("cluster.bench.load", "many streaming clients in a closed loop: answered, failed, queue wait, TTFT"),
 }
 

@@ -1,0 +1,274 @@
+"""`v41 bench agents`: concurrent synthetic agent sessions on a cluster of several raylets,
+with each routing policy in turn on the same workload.
+
+The cluster: ``--raylets`` raylets on this machine (each offers one prefill and one
+decoder place: ``--raylets`` replicas per pool), an embedded Redis, the app as `v41
+serve` runs it. Per policy (``affinity``, ``pow2``, ``round_robin``: the app's
+``routing``) the app is deployed afresh, with empty stores and index, and the same
+seeded workload runs for ``--seconds``:
+
+- ``--sessions`` agents at once, sharing a system prompt with tool schemas; each
+  starts with a task and a file it read (a few hundred to ~12K tokens), then loops:
+  answer (``--max-tokens``), a gap of 0 (40% of turns) to 2 s, a tool result of 50-500
+  tokens appended, the whole history sent again; past ``--depth`` tokens the session
+  ends and a new one starts.
+
+Per turn it records the prompt's depth, TTFT, the cached tokens against what the
+previous turn left computed (prompt + answer - 1), the bytes read from other nodes'
+stores (``x-v41-moved-bytes``); per policy, the stores' hits by tier. Reported:
+TTFT p50/p99 and the cached fraction by depth (1K, 2K, 4K, 8K, 16K), re-prefilled
+tokens, the cached fraction of the turns sent with no pause, decode tokens/s, bytes
+moved between nodes, and the affinity / power-of-two TTFT p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_WORDS = ["def", "return", "self", "value", "result", "queue", "event", "handle", "path", "open", "read", "write", "list", "dict", "item", "index", "count", "error", "raise", "try", "except", "import", "from", "class", "with", "as", "for", "in", "if", "else", "while", "yield", "async", "await", "lambda", "None", "True", "False", "print", "len", "range", "str", "int", "float", "bytes", "json", "load", "dump", "config", "node", "store", "cache", "chunk", "window"]
+_TOOLS = [
+    {"name": name, "description": f"{name.replace('_', ' ')} in the repository",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "pattern": {"type": "string"},
+                                                    "limit": {"type": "integer"}}, "required": ["path"]}}
+    for name in ("read_file", "write_file", "list_directory", "search_code", "run_tests", "apply_patch")
+]
+SYSTEM = ("You are a coding agent. Call one tool per turn; answer with the tool call.\n"
+          "Tools:\n" + json.dumps(_TOOLS, indent=1))
+_DEPTHS = (1024, 2048, 4096, 8192, 16384)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: the shipped small one)")
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=90.0, help="workload time per policy")
+    parser.add_argument("--policies", default="affinity,pow2,round_robin")
+    parser.add_argument("--raylets", type=int, default=2, help="raylets on this machine (replicas per pool)")
+    parser.add_argument("--depth", type=int, default=17000, help="a session ends past this many tokens")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default="off")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+@dataclass
+class Turn:
+    depth: int  # prompt tokens
+    ttft_ms: float
+    cached: int
+    reusable: int  # what the previous turn left computed (0 on a session's first turn)
+    immediate: bool  # sent with no pause after the previous answer
+    moved_bytes: int
+    completion: int
+
+
+def _text(rng: random.Random, words: int) -> str:
+    lines, line = [], []
+    for _ in range(words):
+        line.append(rng.choice(_WORDS))
+        if len(line) == 12:
+            lines.append(" ".join(line))
+            line = []
+    return "\n".join(lines + [" ".join(line)])
+
+
+async def _session(session, url: str, model: str, number: int, stop_at: float, args, turns: list[Turn]) -> None:
+    """One agent slot: sessions one after another until the time is up."""
+    rng = random.Random(args.seed * 1000 + number)
+    generation = 0
+    while time.monotonic() < stop_at:
+        generation += 1
+        start_words = rng.choice((300, 1500, 4000, 8000, 12000))
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Task {number}.{generation}: fix the failing test.\n"
+                                                f"read_file result:\n{_text(rng, start_words)}"}]
+        reusable, immediate = 0, False
+        while time.monotonic() < stop_at:
+            body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0.7,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            sent = time.perf_counter()
+            first, usage, answer = None, None, []
+            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                if response.status != 200:
+                    await response.read()
+                    turns.append(Turn(0, -1.0, 0, 0, immediate, 0, 0))
+                    break
+                moved = int(response.headers.get("x-v41-moved-bytes", 0))
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
+                        first = first or time.perf_counter()
+                        answer.append(chunk["choices"][0]["delta"]["content"])
+            depth = usage["prompt_tokens"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            turns.append(Turn(depth, 1e3 * ((first or time.perf_counter()) - sent), cached, reusable, immediate,
+                              moved, usage["completion_tokens"]))
+            reusable = depth + usage["completion_tokens"] - 1
+            if depth > args.depth:
+                break
+            immediate = rng.random() < 0.4
+            if not immediate:
+                await asyncio.sleep(rng.uniform(0.0, 2.0))
+            messages += [{"role": "assistant", "content": "".join(answer)},
+                         {"role": "user", "content": f"tool result:\n{_text(rng, rng.randint(50, 500))}"}]
+
+
+def _store_hits(namespace: str = "v41") -> dict[str, int]:
+    """Hits per tier over every node's store (fresh per policy)."""
+    import ray
+
+    hits: dict[str, int] = {}
+    for node in ray.nodes():
+        try:
+            store = ray.get_actor(f"{namespace}-store-{node['NodeID']}", namespace=namespace)
+        except ValueError:
+            continue
+        for tier, counters in ray.get(store.stats.remote()).tiers.items():
+            hits[tier] = hits.get(tier, 0) + counters.hits
+    return hits
+
+
+def _drop_stores(namespace: str = "v41") -> None:
+    """Kill every node's store actor: the next policy starts with empty caches."""
+    import ray
+
+    for node in ray.nodes():
+        try:
+            ray.kill(ray.get_actor(f"{namespace}-store-{node['NodeID']}", namespace=namespace), no_restart=True)
+        except ValueError:
+            continue
+
+
+async def _workload(url: str, model: str, args) -> tuple[list[Turn], float]:
+    import aiohttp
+
+    turns: list[Turn] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800), connector=connector) as session:
+        started = time.monotonic()
+        await asyncio.gather(*(_session(session, url, model, i, started + args.seconds, args, turns)
+                               for i in range(args.sessions)))
+        return turns, time.monotonic() - started
+
+
+def _bucket(depth: int) -> str:
+    label = _DEPTHS[0]
+    for edge in _DEPTHS:
+        if depth >= edge:
+            label = edge
+    return f"{label // 1024}K"
+
+
+def _summary(turns: list[Turn], elapsed: float, hits: dict[str, int]) -> dict:
+    done = [t for t in turns if t.ttft_ms >= 0]
+    returning = [t for t in done if t.reusable]
+    immediate = [t for t in returning if t.immediate]
+    by_depth = {}
+    for label in (f"{d // 1024}K" for d in _DEPTHS):
+        rows = [t for t in returning if _bucket(t.depth) == label]
+        if rows:
+            by_depth[label] = {"turns": len(rows),
+                               "ttft_p50_ms": round(float(np.percentile([t.ttft_ms for t in rows], 50)), 1),
+                               "ttft_p99_ms": round(float(np.percentile([t.ttft_ms for t in rows], 99)), 1),
+                               "cached_fraction": round(sum(t.cached for t in rows) / max(1, sum(t.depth for t in rows)),
+                                                        4)}
+    return {
+        "turns": len(done), "failed": len(turns) - len(done), "returning_turns": len(returning),
+        "immediate_turns": len(immediate),
+        "immediate_turn_cached_fraction": round(sum(min(t.cached, t.reusable) for t in immediate)
+                                                / max(1, sum(t.reusable for t in immediate)), 4),
+        "returning_turn_cached_fraction": round(sum(min(t.cached, t.reusable) for t in returning)
+                                                / max(1, sum(t.reusable for t in returning)), 4),
+        "reprefilled_tokens": sum(max(0, t.reusable - t.cached) for t in returning),
+        "ttft_p50_ms": round(float(np.percentile([t.ttft_ms for t in returning], 50)), 1) if returning else None,
+        "by_depth": by_depth,
+        "moved_mb": round(sum(t.moved_bytes for t in done) / 1e6, 2),
+        "decode_tokens_per_s": round(sum(t.completion for t in done) / elapsed, 1),
+        "store_hits_by_tier": hits,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from cluster.cli import UserError
+    from cluster.commands.serve import default_model, local_app, use_serve_environment
+    from cluster.config import AppConfig
+    from storage.redis_server import free_port
+
+    model = args.model or default_model()
+    if not (model / "config.json").exists():
+        raise UserError(f"no checkpoint at {model}")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for policy in policies:
+        AppConfig.from_args({"model": str(model), "routing": policy})  # a mistake is one line, before anything starts
+    port = free_port()
+    use_serve_environment(port)  # before the raylets start: every Ray process runs with it
+    places = {"prefill_host": 1, "decoder_host": 1}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 3, "resources": places, "object_store_memory": 256 << 20, "include_dashboard": False})
+    cache_root = tempfile.mkdtemp(prefix="v41-bench-agents-")
+    name = AppConfig.from_args({"model": str(model)}).model_name
+    results = {}
+    try:
+        for _ in range(args.raylets - 1):
+            cluster.add_node(num_cpus=3, resources=places, object_store_memory=256 << 20)
+        cluster.wait_for_nodes()
+        for policy in policies:
+            app_args = {"model": str(model), "routing": policy, "prefill_replicas": args.raylets,
+                        "decoder_replicas": args.raylets, "prefill_resources": {"prefill_host": 1},
+                        "decoder_resources": {"decoder_host": 1}, "speculation": args.speculation,
+                        "max_model_len": args.depth + 8192, "ssd_dir": f"{cache_root}/{policy}/{{node}}"}
+            with local_app(app_args, port=port, address=cluster.address):
+                turns, elapsed = asyncio.run(_workload(f"http://127.0.0.1:{port}", name, args))
+                hits = _store_hits()
+                _drop_stores()
+            results[policy] = _summary(turns, elapsed, hits)
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(cache_root, ignore_errors=True)
+    _print(model, args, results)
+    return 0
+
+
+def _print(model: Path, args, results: dict) -> None:
+    print(f"v41 bench agents: {model}, {args.sessions} sessions, {args.raylets} raylets x (1 prefill + 1 decoder), "
+          f"{args.seconds:.0f} s per policy")
+    print(f"{'policy':<12} {'turns':>6} {'failed':>6} {'immediate cached':>16} {'returning cached':>16} "
+          f"{'re-prefilled':>12} {'TTFT p50 ms':>11} {'moved MB':>8} {'decode tok/s':>12}  store hits by tier")
+    for policy, row in results.items():
+        print(f"{policy:<12} {row['turns']:>6} {row['failed']:>6} {row['immediate_turn_cached_fraction']:>16.4f} "
+              f"{row['returning_turn_cached_fraction']:>16.4f} {row['reprefilled_tokens']:>12} "
+              f"{row['ttft_p50_ms'] or 0:>11.1f} {row['moved_mb']:>8.2f} {row['decode_tokens_per_s']:>12.1f}  "
+              f"{row['store_hits_by_tier']}")
+    print("\nreturning turns by depth: turns, TTFT p50 / p99 ms, cached fraction")
+    for policy, row in results.items():
+        cells = [f"{label} {cell['turns']}: {cell['ttft_p50_ms']:.0f} / {cell['ttft_p99_ms']:.0f}, "
+                 f"{cell['cached_fraction']:.3f}" for label, cell in row["by_depth"].items()]
+        print(f"{policy:<12} " + " | ".join(cells))
+    summary = {"policies": results}
+    first = next(iter(results.values()), None)
+    if first is not None:
+        summary["immediate_turn_cached_fraction"] = first["immediate_turn_cached_fraction"]
+        summary["ttft_p50_ms_by_depth"] = {label: cell["ttft_p50_ms"] for label, cell in first["by_depth"].items()}
+    if "affinity" in results and "pow2" in results and results["pow2"]["ttft_p50_ms"]:
+        summary["affinity_over_pow2_ttft_p50"] = round(results["affinity"]["ttft_p50_ms"]
+                                                       / results["pow2"]["ttft_p50_ms"], 3)
+        print(f"\naffinity / pow2 TTFT p50 (returning turns): {summary['affinity_over_pow2_ttft_p50']:.3f}")
+    if args.json:
+        print(json.dumps(summary))
