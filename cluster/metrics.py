@@ -11,14 +11,21 @@ from ray.util import metrics
 _LATENCY_BOUNDS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
+def depth_label(prompt_tokens: int) -> str:
+    """A prompt's depth bucket: "<1K", "1K", "2K", "4K", ... (the power of two below it)."""
+    if prompt_tokens < 1024:
+        return "<1K"
+    return f"{1 << (prompt_tokens.bit_length() - 1) >> 10}K"
+
+
 class RouterMetrics:
     """Per request: time to first token, time per output token, tokens, cache hits."""
 
     def __init__(self) -> None:
-        self.ttft = metrics.Histogram("v41_ttft_seconds", "time to first token", boundaries=_LATENCY_BOUNDS,
-                                      tag_keys=("endpoint",))
-        self.tpot = metrics.Histogram("v41_time_per_output_token_seconds", "time per output token after the first",
-                                      boundaries=_LATENCY_BOUNDS, tag_keys=("endpoint",))
+        self.ttft = metrics.Histogram("v41_ttft_seconds", "time to first token, by prompt depth",
+                                      boundaries=_LATENCY_BOUNDS, tag_keys=("endpoint", "depth"))
+        self.tpot = metrics.Histogram("v41_time_per_output_token_seconds", "time per output token after the first, "
+                                      "by prompt depth", boundaries=_LATENCY_BOUNDS, tag_keys=("endpoint", "depth"))
         self.requests = metrics.Counter("v41_requests_total", "requests by endpoint and status",
                                         tag_keys=("endpoint", "status"))
         self.prompt_tokens = metrics.Counter("v41_prompt_tokens_total", "prompt tokens")
@@ -46,9 +53,10 @@ class RouterMetrics:
         if output:
             self.output_tokens.inc(output)
         if ttft is not None:
-            self.ttft.observe(ttft, tags={"endpoint": endpoint})
+            tags = {"endpoint": endpoint, "depth": depth_label(prompt)}
+            self.ttft.observe(ttft, tags=tags)
             if total is not None and output > 1:
-                self.tpot.observe((total - ttft) / (output - 1), tags={"endpoint": endpoint})
+                self.tpot.observe((total - ttft) / (output - 1), tags=tags)
 
 
 class DecoderMetrics:

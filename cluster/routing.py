@@ -3,10 +3,11 @@
 The router knows, from the Redis index, which nodes hold a prompt's stored prefix
 (RAM beats SSD); it passes them, best first, as ``preferred_nodes`` in the request's
 keyword arguments, to the prefill pool and to the decoder pool. :class:`PrefixAffinityRouter`
-ranks replicas on those nodes first, in that order, then the rest by queue length.
-Serve tries the ranks in order and skips a replica at its ``max_ongoing_requests``:
-a busy preferred replica costs a move of the cache (a read from the node that holds
-it), not a wait. ``routing`` in the app's config picks the policy for both pools:
+ranks replicas on those nodes first, in that order, then the rest by queue length,
+unless the preferred replicas have more than ``MOVE_SLACK`` requests in line beyond
+the least loaded one: then the request goes to the load and its cache moves (a read
+from the node that holds it). Serve tries the ranks in order and skips a replica at
+its ``max_ongoing_requests``. ``routing`` in the app's config picks the policy for both pools:
 ``affinity`` (this), ``pow2`` (Serve's default, power of two choices) or
 ``round_robin`` (:class:`RoundRobinRouter`), for `v41 bench agents` to compare.
 """
@@ -15,16 +16,32 @@ from __future__ import annotations
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+# How many more requests in line a replica on the cache's node may have than the least
+# loaded replica before a request goes to the least loaded one instead. Waiting costs a
+# queued request's service time each (a turn's prefill or a place in a batch: hundreds
+# of milliseconds here); moving costs reading the prefix from the node that holds it
+# (a few milliseconds for a 16K-token prefix on one machine, ~1.3 MB per 16K tokens
+# over a network). So the cache wins a tie and a near tie, and load wins beyond that.
+MOVE_SLACK = 1
 
-def rank_replicas(replicas: list, preferred_nodes: list[str], queue_len) -> list[list]:
+
+def rank_replicas(replicas: list, preferred_nodes: list[str], queue_len, slack: int = MOVE_SLACK) -> list[list]:
     """Ranks: one per preferred node that has replicas (in order), then the others
-    sorted by queue length. ``queue_len(replica)`` may return None (unknown: last)."""
+    sorted by queue length; but if the first preferred rank's least loaded replica has
+    more than ``slack`` requests in line beyond the least loaded replica of all, every
+    replica in one rank by queue length (the request moves to the load).
+    ``queue_len(replica)`` may return None (unknown: counted as empty)."""
+    def load(replica) -> int:
+        return queue_len(replica) or 0
+
     ranks, used = [], set()
     for node in preferred_nodes:
         on_node = [r for r in replicas if r.node_id == node and id(r) not in used]
         if on_node:
             ranks.append(on_node)
             used.update(id(r) for r in on_node)
+    if ranks and replicas and min(map(load, ranks[0])) - min(map(load, replicas)) > slack:
+        return [sorted(replicas, key=load)]
     rest = [r for r in replicas if id(r) not in used]
     if rest:
         ranks.append(sorted(rest, key=lambda r: (queue_len(r) is None, queue_len(r) or 0)))
@@ -40,7 +57,10 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         preferred = []
         if pending_request is not None:
             preferred = list(pending_request.kwargs.get("preferred_nodes") or [])
-        return rank_replicas(candidate_replicas, preferred, lambda r: r.routing_stats.get("queue_len"))
+        # Serve's own count of each replica's ongoing requests (probed, and kept current
+        # as it sends requests).
+        return rank_replicas(candidate_replicas, preferred,
+                             lambda r: self.replica_queue_len_cache.get(r.replica_id))
 
 
 class RoundRobinRouter(FIFOMixin, RequestRouter):

@@ -96,6 +96,9 @@ def test_metrics_reach_prometheus_through_ray(client):
     served = [line for line in text.splitlines()
               if line.startswith("ray_v41_requests_total{") or line.startswith("v41_requests_total{")]
     assert any('status="200"' in line and float(line.rsplit(" ", 1)[1]) >= 1 for line in served), served
+    # As configs/grafana-dashboard.json queries them: Ray's prefix, TTFT by prompt depth.
+    assert any(line.startswith("ray_v41_ttft_seconds_bucket{") and 'depth="<1K"' in line
+               for line in text.splitlines())
 
 
 def test_completions_stop_string(client):

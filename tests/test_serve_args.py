@@ -57,3 +57,16 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch)
     assert "api_key" not in args and AppConfig.from_args(args).resolved_api_key() == "s3cret"
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert AppConfig.from_args(parse()).resolved_api_key() == "from-env"
+
+
+def test_an_external_redis_and_the_environment_for_a_cluster(monkeypatch, capsys):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert parse("--redis-url", "redis://:pw@redis.internal:6379/0")["redis_url"] == "redis://:pw@redis.internal:6379/0"
+    from cluster.commands.serve import run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--print-env", "--port", "9000"])) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "export RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=9000" in printed
+    assert "export RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in printed

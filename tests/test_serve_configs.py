@@ -53,3 +53,23 @@ def test_the_decoder_pool_queues_at_the_router_and_autoscales_on_its_batch():
     scaled = decoder_options(AppConfig.from_args({"max_batch": 32, "decoder_replicas": 2, "decoder_max_replicas": 8}))
     assert "num_replicas" not in scaled and scaled["max_ongoing_requests"] == 40
     assert scaled["autoscaling_config"] == {"min_replicas": 2, "max_replicas": 8, "target_ongoing_requests": 32}
+
+
+def test_the_grafana_dashboard_reads_only_metrics_the_code_exports():
+    """Every series the dashboard queries is one the router, the pools or the stores
+    define (Ray exports them with the ray_ prefix), so a renamed metric fails here."""
+    import json
+    import re
+
+    source = "\n".join(path.read_text() for folder in ("cluster", "actors", "storage")
+                       for path in (ROOT / folder).rglob("*.py"))
+    defined = set(re.findall(r'metrics\.(?:Gauge|Counter|Histogram)\(\s*"(v41_[a-z0-9_]+)"', source))
+    defined |= {f"v41_store_{name}" for name in re.findall(r'"(\w+)"', source[source.index("FIELDS = ("):][:200])}
+    dashboard = json.loads((ROOT / "configs" / "grafana-dashboard.json").read_text())
+    queried = {re.sub(r"_bucket$", "", name) for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"ray_(v41_[a-z0-9_]+)", target["expr"])}
+    assert len(dashboard["panels"]) >= 10 and queried
+    assert queried <= defined, queried - defined
+    for needed in ("v41_ttft_seconds", "v41_time_per_output_token_seconds", "v41_store_hits",
+                   "v41_queue_wait_seconds", "v41_engram_wait_seconds", "v41_spec_acceptance_length"):
+        assert needed in queried

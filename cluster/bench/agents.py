@@ -8,10 +8,10 @@ serve` runs it. Per policy (``affinity``, ``pow2``, ``round_robin``: the app's
 seeded workload runs for ``--seconds``:
 
 - ``--sessions`` agents at once, sharing a system prompt with tool schemas; each
-  starts with a task and a file it read (a few hundred to ~12K tokens), then loops:
-  answer (``--max-tokens``), a gap of 0 (40% of turns) to 2 s, a tool result of 50-500
-  tokens appended, the whole history sent again; past ``--depth`` tokens the session
-  ends and a new one starts.
+  starts with a task and a file it read (a few hundred to ~16K tokens: that first,
+  cold turn is sent before the clock starts and not measured), then loops: answer
+  (``--max-tokens``), a gap of 0 (40% of turns) to 2 s, a tool result of 50-500
+  tokens appended, the whole history sent again, until ``--depth`` tokens.
 
 Per turn it records the prompt's depth, TTFT, the cached tokens against what the
 previous turn left computed (prompt + answer - 1), the bytes read from other nodes'
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=90.0, help="workload time per policy")
     parser.add_argument("--policies", default="affinity,pow2,round_robin")
     parser.add_argument("--raylets", type=int, default=2, help="raylets on this machine (replicas per pool)")
-    parser.add_argument("--depth", type=int, default=17000, help="a session ends past this many tokens")
+    parser.add_argument("--depth", type=int, default=17000, help="a session stops past this many tokens")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default="off")
     parser.add_argument("--seed", type=int, default=0)
@@ -80,50 +80,58 @@ def _text(rng: random.Random, words: int) -> str:
     return "\n".join(lines + [" ".join(line)])
 
 
-async def _session(session, url: str, model: str, number: int, stop_at: float, args, turns: list[Turn]) -> None:
-    """One agent slot: sessions one after another until the time is up."""
-    rng = random.Random(args.seed * 1000 + number)
-    generation = 0
-    while time.monotonic() < stop_at:
-        generation += 1
-        start_words = rng.choice((300, 1500, 4000, 8000, 12000))
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"Task {number}.{generation}: fix the failing test.\n"
-                                                f"read_file result:\n{_text(rng, start_words)}"}]
-        reusable, immediate = 0, False
-        while time.monotonic() < stop_at:
-            body = {"model": model, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0.7,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            sent = time.perf_counter()
-            first, usage, answer = None, None, []
-            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-                if response.status != 200:
-                    await response.read()
-                    turns.append(Turn(0, -1.0, 0, 0, immediate, 0, 0))
-                    break
-                moved = int(response.headers.get("x-v41-moved-bytes", 0))
-                async for raw in response.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
-                        first = first or time.perf_counter()
-                        answer.append(chunk["choices"][0]["delta"]["content"])
-            depth = usage["prompt_tokens"]
-            cached = usage["prompt_tokens_details"]["cached_tokens"]
-            turns.append(Turn(depth, 1e3 * ((first or time.perf_counter()) - sent), cached, reusable, immediate,
-                              moved, usage["completion_tokens"]))
-            reusable = depth + usage["completion_tokens"] - 1
-            if depth > args.depth:
-                break
-            immediate = rng.random() < 0.4
-            if not immediate:
-                await asyncio.sleep(rng.uniform(0.0, 2.0))
-            messages += [{"role": "assistant", "content": "".join(answer)},
-                         {"role": "user", "content": f"tool result:\n{_text(rng, rng.randint(50, 500))}"}]
+class _Agent:
+    """One agent session: its history and what its last turn left computed."""
+
+    def __init__(self, number: int, seed: int, start_words: int):
+        self.rng = random.Random(seed * 1000 + number)
+        self.messages = [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": f"Task {number}: fix the failing test.\n"
+                                                     f"read_file result:\n{_text(self.rng, start_words)}"}]
+        self.reusable = 0
+        self.immediate = False
+
+
+async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | None:
+    """Send the agent's history; record the turn; append the answer and a tool result."""
+    body = {"model": model, "messages": agent.messages, "max_tokens": args.max_tokens, "temperature": 0.7,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first, usage, answer = None, None, []
+    async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+        if response.status != 200:
+            await response.read()
+            return None
+        moved = int(response.headers.get("x-v41-moved-bytes", 0))
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
+                first = first or time.perf_counter()
+                answer.append(chunk["choices"][0]["delta"]["content"])
+    turn = Turn(usage["prompt_tokens"], 1e3 * ((first or time.perf_counter()) - sent),
+                usage["prompt_tokens_details"]["cached_tokens"], agent.reusable, agent.immediate, moved,
+                usage["completion_tokens"])
+    agent.reusable = turn.depth + turn.completion - 1
+    agent.messages += [{"role": "assistant", "content": "".join(answer)},
+                       {"role": "user", "content": f"tool result:\n{_text(agent.rng, agent.rng.randint(50, 500))}"}]
+    return turn
+
+
+async def _loop(session, url: str, model: str, agent: _Agent, stop_at: float, args, turns: list) -> None:
+    """Returning turns until the time is up or the history is ``--depth`` deep."""
+    while time.monotonic() < stop_at and agent.reusable < args.depth:
+        agent.immediate = agent.rng.random() < 0.4
+        if not agent.immediate:
+            await asyncio.sleep(agent.rng.uniform(0.0, 2.0))
+        turn = await _turn(session, url, model, agent, args)
+        turns.append(turn)
+        if turn is None:
+            return
 
 
 def _store_hits(namespace: str = "v41") -> dict[str, int]:
@@ -152,15 +160,20 @@ def _drop_stores(namespace: str = "v41") -> None:
             continue
 
 
-async def _workload(url: str, model: str, args) -> tuple[list[Turn], float]:
+async def _workload(url: str, model: str, args) -> tuple[list, float]:
+    """Every agent's first turn (its task and the file it read: cold, not measured),
+    then ``--seconds`` of returning turns, all agents at once."""
     import aiohttp
 
-    turns: list[Turn] = []
+    rng = random.Random(args.seed)
+    agents = [_Agent(i, args.seed, rng.choice((300, 1500, 4000, 8000, 15500))) for i in range(args.sessions)]
+    turns: list = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800), connector=connector) as session:
+        await asyncio.gather(*(_turn(session, url, model, agent, args) for agent in agents))
         started = time.monotonic()
-        await asyncio.gather(*(_session(session, url, model, i, started + args.seconds, args, turns)
-                               for i in range(args.sessions)))
+        await asyncio.gather(*(_loop(session, url, model, agent, started + args.seconds, args, turns)
+                               for agent in agents))
         return turns, time.monotonic() - started
 
 
@@ -172,8 +185,8 @@ def _bucket(depth: int) -> str:
     return f"{label // 1024}K"
 
 
-def _summary(turns: list[Turn], elapsed: float, hits: dict[str, int]) -> dict:
-    done = [t for t in turns if t.ttft_ms >= 0]
+def _summary(turns: list, elapsed: float, hits: dict[str, int]) -> dict:
+    done = [t for t in turns if t is not None]
     returning = [t for t in done if t.reusable]
     immediate = [t for t in returning if t.immediate]
     by_depth = {}

@@ -58,12 +58,13 @@ class _ReadyAtFilter(logging.Filter):
 @contextlib.contextmanager
 def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_store_mb: int = 512,
               address: str | None = None, num_cpus: int | None = None, on_ray_started=None):
-    """An embedded Redis (restarted by a supervisor if it dies), Ray (a new local
-    instance, or the cluster at ``address``, started after :func:`use_serve_environment`)
-    and the application with ``app_args``, its router answering at
-    ``http://host:port``. Yields the supervisor (``.server`` is the Redis server);
-    stops everything it started on the way out. ``on_ray_started()`` runs once Ray is up
-    (``v41 serve`` puts its signal handlers back there: ``ray.init`` sets its own)."""
+    """An embedded Redis (restarted by a supervisor if it dies; none if ``app_args``
+    names a ``redis_url``), Ray (a new local instance, or the cluster at ``address``,
+    started after :func:`use_serve_environment`) and the application with
+    ``app_args``, its router answering at ``http://host:port``. Yields the supervisor
+    (``.server`` is the Redis server; None with an external Redis); stops everything it
+    started on the way out. ``on_ray_started()`` runs once Ray is up (``v41 serve`` puts
+    its signal handlers back there: ``ray.init`` sets its own)."""
     import ray
     from ray import serve
 
@@ -79,10 +80,13 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
 
             raise UserError(f"cannot listen on {host}:{port}: {error.strerror}") from None
     use_serve_environment(port)
-    redis = RedisServer()
-    redis.start()
-    supervisor = RedisSupervisor(redis)
-    supervisor.start()
+    redis, supervisor = None, None
+    if not app_args.get("redis_url"):
+        redis = RedisServer()
+        redis.start()
+        supervisor = RedisSupervisor(redis)
+        supervisor.start()
+        app_args = {**app_args, "redis_url": redis.url}
     ready_filter = _ReadyAtFilter()
     logging.getLogger("ray.serve").addFilter(ready_filter)
     try:
@@ -94,7 +98,7 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
         if on_ray_started is not None:
             on_ray_started()
         serve.start(http_options={"host": host, "port": free_port(host)})  # Serve's proxy: unused
-        serve.run(build_app({**app_args, "redis_url": redis.url}), name="v41", route_prefix="/")
+        serve.run(build_app(app_args), name="v41", route_prefix="/")
         yield supervisor
     finally:
         try:
@@ -102,8 +106,9 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
                 serve.shutdown()
         finally:
             ray.shutdown()
-            supervisor.stop()
-            redis.stop()
+            if supervisor is not None:
+                supervisor.stop()
+                redis.stop()
             logging.getLogger("ray.serve").removeFilter(ready_filter)
 
 
@@ -126,6 +131,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None,
                         help="the app's arguments from a YAML: a Serve config (its first application's args) "
                         "or a mapping of AppConfig fields; flags given here override it")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (e.g. HEAD:6379, started with `ray start` after exporting what "
+                        "`v41 serve` exports: see the README) instead of starting one")
+    parser.add_argument("--redis-url", default=None,
+                        help="the cluster's Redis (redis://:PASSWORD@HOST:PORT/0) instead of an embedded one")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cache-dir", type=Path, default=None,
@@ -139,6 +149,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, _, kind, help_text in _FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=help_text)
     parser.add_argument("--object-store-mb", type=int, default=512)
+    parser.add_argument("--print-env", action="store_true",
+                        help="print the environment `v41 serve` gives Ray (export it before `ray start` on every node "
+                        "of a cluster that `--address` joins) and exit")
 
 
 def default_model() -> Path:
@@ -180,7 +193,7 @@ def app_arguments(args: argparse.Namespace) -> dict:
         app_args["model"] = str(model)
     if args.cache_dir is not None or "ssd_dir" not in app_args:
         app_args["ssd_dir"] = str((args.cache_dir or Path(".v41/cache")).resolve() / "{node}")
-    for name in ("exact_replay", "speculation"):
+    for name in ("exact_replay", "speculation", "redis_url"):
         if getattr(args, name) is not None:
             app_args[name] = getattr(args, name)
     for flag, name, _, _ in _FLAGS:
@@ -205,6 +218,10 @@ class _Stopped(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.print_env:
+        for name, value in serve_environment(args.port).items():
+            print(f"export {name}={value}")
+        return 0
     app_args = app_arguments(args)
     stopping: list[int] = []
     serving = False
@@ -224,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
 
     handle_signals()
     try:
-        with local_app(app_args, args.host, args.port, args.object_store_mb, on_ray_started=handle_signals):
+        with local_app(app_args, args.host, args.port, args.object_store_mb, address=args.address,
+                       on_ray_started=handle_signals):
             handle_signals()  # Serve's start may have set its own
             serving = True
             if stopping:

@@ -1,0 +1,41 @@
+"""Cache-affinity routing: the cache's node first, unless its replicas are busier than
+the least loaded by more than the slack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.routing import MOVE_SLACK, rank_replicas
+
+
+@dataclass(frozen=True)
+class Replica:
+    name: str
+    node_id: str
+
+
+A1, A2, B1, C1 = Replica("a1", "A"), Replica("a2", "A"), Replica("b1", "B"), Replica("c1", "C")
+
+
+def ranks(preferred, loads, slack=MOVE_SLACK):
+    result = rank_replicas([A1, A2, B1, C1], preferred, lambda r: loads.get(r.name), slack)
+    return [[r.name for r in rank] for rank in result]
+
+
+def test_the_cache_nodes_come_first_in_order_then_the_rest_by_load():
+    assert ranks(["B", "A"], {"a1": 1, "a2": 0, "b1": 1, "c1": 0}) == [["b1"], ["a1", "a2"], ["c1"]]
+    assert ranks([], {"a1": 3, "a2": 0, "b1": 1}) == [["a2", "b1", "a1", "c1"]]
+
+
+def test_unknown_loads_go_last_among_the_rest():
+    assert ranks(["C"], {"a1": 2, "b1": 0}) == [["c1"], ["b1", "a1", "a2"]]
+
+
+def test_a_busy_cache_node_gives_way_to_the_least_loaded_replica():
+    # Within the slack the cache wins.
+    assert ranks(["B"], {"b1": MOVE_SLACK, "a1": 0, "a2": 0, "c1": 0})[0] == ["b1"]
+    # Beyond it the request moves to the load (its cache is read from node B).
+    moved = ranks(["B"], {"b1": MOVE_SLACK + 1, "a1": 2, "a2": 0, "c1": 1})
+    assert moved == [["a2", "c1", "a1", "b1"]]
+    # A larger slack waits longer for the cache.
+    assert ranks(["B"], {"b1": 3, "a1": 0, "a2": 0, "c1": 0}, slack=3)[0] == ["b1"]
