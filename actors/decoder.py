@@ -186,6 +186,7 @@ class DecoderPool:
         self.stepping: asyncio.Task | None = None
         self.slots = asyncio.Semaphore(config.max_batch)  # places in the batch
         self.queued = 0  # requests in this replica waiting for a place
+        self.node_id = node_id()
         self.prefetched: OrderedDict[ObjectKey, asyncio.Future] = OrderedDict()
 
     async def prefetch(self, keys: tuple[ObjectKey, ...], preferred_nodes: list[str] | None = None) -> None:
@@ -228,7 +229,8 @@ class DecoderPool:
         async for event in self._decode(request_id, admit):
             yield event
 
-    async def prefill_and_generate(self, plan, params, request_id: str, engram=None):
+    async def prefill_and_generate(self, plan, params, request_id: str, engram=None,
+                                   preferred_nodes: list[str] | None = None):
         """:meth:`generate` for a prompt this replica encodes itself: no handoff to
         serialise, and the prefill and the first token in one trip to the engine thread."""
         arrived = time.time()
@@ -276,7 +278,7 @@ class DecoderPool:
                 await self._store_conversation(request_id)
             yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
                    "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
-                   "prefilled_by": handoff.prefilled_by, "moved_bytes": handoff.moved_bytes,
+                   "prefilled_by": handoff.prefilled_by, "moved_bytes": handoff.moved_bytes, "node": self.node_id,
                    **dataclasses.asdict(first)}
             if first.finish_reason is not None:
                 return

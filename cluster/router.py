@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 from actors.replica import ModelIdentity, prompt_gil_handoff
 from cluster import openai_api as api
 from cluster.config import AppConfig
+from cluster.routing import NodeLoad
 
 # A request's trip, mark to mark: (Server-Timing name, from, to).
 _STAGES = (
@@ -121,18 +122,21 @@ class ClientGone(Exception):
     """The client closed the connection while its request waited."""
 
 
-def _chained(first, stream):
-    """``first``, then the rest of ``stream``."""
+def _chained(first, stream, done):
+    """``first``, then the rest of ``stream``; ``done()`` once it ends or is dropped."""
     async def events():
-        yield first
-        async for event in stream:
-            yield event
+        try:
+            yield first
+            async for event in stream:
+                yield event
+        finally:
+            done()
     return events()
 
 
-# Requests waiting for a place in a decoder batch queue at the router's handle to the
-# decoder pool, across its replicas (Serve's queue, FIFO); beyond ``max_queued_requests``
-# a request is answered 429. The router itself takes every connection.
+# The router takes every connection. A request waiting for a place in a decoder batch
+# waits at the router's handle to the decoder pool (Serve's queue, FIFO across the
+# replicas); beyond ``max_queued_requests`` waiting, it is answered 429.
 @serve.deployment(max_ongoing_requests=4096)
 @serve.ingress(fastapi_app)
 class Router:
@@ -170,6 +174,7 @@ class Router:
         self.finished: deque[float] = deque(maxlen=4096)  # when requests ended (time.monotonic), for Retry-After
         self.waiting = 0  # dispatched requests without their first token yet
         self._health: tuple[float, list[str]] | None = None
+        self.load = NodeLoad() if config.routing == "affinity" else None  # requests in flight per node
         # Recent answers' exact token ids by their text, so that the next turn of a
         # conversation re-renders them verbatim and its prefix stays cached.
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
@@ -261,14 +266,20 @@ class Router:
             import torch
 
             lookup = self.engram.start(self.hasher.hash_ids(torch.tensor([tokens]))[0][0])
+        # Where the cache is, best first (both pools' replicas there are preferred), or the
+        # least loaded node when the cache's is busier than the slack allows.
+        nodes = self.load.prefer(list(plan.nodes)) if self.load is not None else list(plan.nodes)
+        marks["node"] = nodes[0] if nodes and self.load is not None else None
+        if self.load is not None:
+            self.load.started(marks["node"])
         if plan.cached_chunks == 0 and plan.windows == () and len(tokens) <= self.config.local_prefill_tokens:
             # Nothing stored and a short prompt: the decoder encodes it itself, sparing
             # two hops and a handoff (its batch waits about one step for it).
             # (An Engram lookup holds object refs: those travel by reference.)
             decoder = self.decoder_direct if lookup is None else self.decoder
-            return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup), None
+            return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup,
+                                                       preferred_nodes=nodes), None
         stored = self.naming.loadable_chunks(plan)
-        nodes = list(plan.nodes)  # where the cache is, best first: both pools' replicas there are preferred
         if stored and plan.chunk_keys:  # the decoder reads the stored prefix while the prefill runs
             self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored], preferred_nodes=nodes)
         handoff = self.prefill.prefill.remote(plan, preferred_nodes=nodes, engram=lookup)
@@ -285,6 +296,15 @@ class Router:
         cache depends on (Redis, a node's store) is down; it serves either way."""
         problems = await self._problems()
         return JSONResponse({"status": "degraded" if problems else "ok", "problems": problems})
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check: refreshes the parts' gauges (``v41_redis_up``,
+        ``v41_stores_down``) even when nobody polls /health. A degraded part does not
+        make the router unhealthy (restarting it would not bring Redis back)."""
+        try:
+            await self._problems()
+        except Exception:  # noqa: BLE001 (the check itself failing is not the router failing)
+            logger.warning("health probe of the parts failed", exc_info=True)
 
     async def _problems(self) -> list[str]:
         now = time.monotonic()
@@ -358,7 +378,7 @@ class Router:
                                               self.model_config.text.vocab_size)
             tokens = self._render(parsed)
             rid = api.new_id("chatcmpl" if chat else "cmpl")
-            marks = {"router_in": arrived}
+            marks = {"router_in": arrived, "node": None}
             stream, fallback = await self._events(parsed, tokens, rid, marks)
             marks["router_sent"] = time.time()
             try:
@@ -372,18 +392,23 @@ class Router:
                 stream = fallback()
                 first = await self._first(stream, request)
         except api.ApiError as error:
+            self._ended(marks)
             self.metrics.record(endpoint, str(error.status))
             return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
         except ClientGone:
+            self._ended(marks)
             self.metrics.record(endpoint, "499")
             return JSONResponse(api.ApiError(499, "client closed the request").body(), status_code=499)
         except Exception as error:  # a replica died or failed before the first token
+            self._ended(marks)
             logger.exception("request failed before its first token")
             self.metrics.record(endpoint, "503")
             body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
             return JSONResponse(body, status_code=503)
+        if self.load is not None and first.get("node"):
+            self.load.seen(first["node"])
         queued_ms = self._admitted(first, marks)
-        events = _chained(first, stream)
+        events = _chained(first, stream, lambda: self._ended(marks))
         if parsed.stream:
             return StreamingResponse(self._sse(events, parsed, rid, chat, start), media_type="text/event-stream",
                                      headers={"x-v41-queue-ms": f"{queued_ms:.3f}",
@@ -437,6 +462,11 @@ class Router:
         finally:
             self.waiting -= 1
             self.metrics.waiting.set(self.waiting)
+
+    def _ended(self, marks: dict) -> None:
+        """A request dispatched to ``marks["node"]`` is over (once)."""
+        if self.load is not None:
+            self.load.ended(marks.pop("node", None))
 
     def _admitted(self, first: dict, marks: dict[str, float]) -> float:
         """Milliseconds the request waited for a place in a batch, once ready for one

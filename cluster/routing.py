@@ -48,6 +48,40 @@ def rank_replicas(replicas: list, preferred_nodes: list[str], queue_len, slack: 
     return ranks
 
 
+class NodeLoad:
+    """The router's own count of the requests it has in flight on each node: a load
+    signal that is exact and current for one router (Serve's queue lengths lag), and
+    with it the node a request should go to: where its cache is, unless that node has
+    more than ``slack`` requests in flight beyond the least loaded node it knows."""
+
+    def __init__(self, slack: int = MOVE_SLACK) -> None:
+        self.slack = slack
+        self.inflight: dict[str, int] = {}  # node -> requests in flight (nodes seen serving)
+
+    def seen(self, node: str) -> None:
+        """``node`` has a decoder replica (learnt from the answers)."""
+        self.inflight.setdefault(node, 0)
+
+    def prefer(self, cache_nodes: list[str]) -> list[str]:
+        """The nodes to prefer, best first: the cache's, or the least loaded one ahead
+        of it (the cache then moves there)."""
+        if not self.inflight:
+            return list(cache_nodes)
+        least = min(self.inflight, key=lambda node: (self.inflight[node], node))
+        if cache_nodes and cache_nodes[0] in self.inflight and \
+                self.inflight[cache_nodes[0]] - self.inflight[least] <= self.slack:
+            return list(cache_nodes)
+        return [least] + [node for node in cache_nodes if node != least]
+
+    def started(self, node: str | None) -> None:
+        if node is not None:
+            self.inflight[node] = self.inflight.get(node, 0) + 1
+
+    def ended(self, node: str | None) -> None:
+        if node is not None and self.inflight.get(node, 0) > 0:
+            self.inflight[node] -= 1
+
+
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Prefer replicas on the nodes that hold the request's cached prefix."""
 

@@ -39,3 +39,22 @@ def test_a_busy_cache_node_gives_way_to_the_least_loaded_replica():
     assert moved == [["a2", "c1", "a1", "b1"]]
     # A larger slack waits longer for the cache.
     assert ranks(["B"], {"b1": 3, "a1": 0, "a2": 0, "c1": 0}, slack=3)[0] == ["b1"]
+
+
+def test_the_routers_own_count_sends_a_request_to_its_cache_or_to_the_load():
+    from cluster.routing import NodeLoad
+
+    load = NodeLoad(slack=1)
+    assert load.prefer(["B"]) == ["B"]  # no node seen serving yet: the cache's order as is
+    for node in ("A", "B"):
+        load.seen(node)
+    load.started("B")
+    assert load.prefer(["B", "A"]) == ["B", "A"]  # one more in flight than A: within the slack
+    load.started("B")
+    assert load.prefer(["B", "A"]) == ["A", "B"]  # two more: the request goes to A, its cache moves
+    assert load.prefer([]) == ["A"]  # nothing cached: the least loaded node
+    load.ended("B")
+    load.ended("B")
+    load.ended("B")  # more ends than starts never go below zero
+    assert load.inflight == {"A": 0, "B": 0}
+    assert load.prefer(["B"]) == ["B"]

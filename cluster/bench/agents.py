@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.bench.sse import sse_chunks
+
 _WORDS = ["def", "return", "self", "value", "result", "queue", "event", "handle", "path", "open", "read", "write", "list", "dict", "item", "index", "count", "error", "raise", "try", "except", "import", "from", "class", "with", "as", "for", "in", "if", "else", "while", "yield", "async", "await", "lambda", "None", "True", "False", "print", "len", "range", "str", "int", "float", "bytes", "json", "load", "dump", "config", "node", "store", "cache", "chunk", "window"]
 _TOOLS = [
     {"name": name, "description": f"{name.replace('_', ' ')} in the repository",
@@ -103,11 +105,7 @@ async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | No
             await response.read()
             return None
         moved = int(response.headers.get("x-v41-moved-bytes", 0))
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:

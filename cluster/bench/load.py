@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.bench.sse import sse_chunks
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: the shipped small one)")
@@ -48,11 +50,7 @@ async def _client(session, url: str, model: str, number: int, stop_at: float, ma
                     outcomes[str(response.status)] += 1
                     continue
                 first, tokens, error = None, 0, False
-                async for raw in response.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
+                async for chunk in sse_chunks(response):
                     if "error" in chunk:
                         error = True
                     elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):

@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cluster.bench.sse import sse_chunks
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: as v41 serve)")
@@ -51,11 +53,7 @@ async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dic
     async with session.post(url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as reply:
         if reply.status != 200:
             raise RuntimeError(f"HTTP {reply.status}: {await reply.text()}")
-        async for raw in reply.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(reply):
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             if chunk.get("usage"):
