@@ -118,6 +118,14 @@ async def _http_error(request: Request, error: HTTPException):
     return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
 
 
+@fastapi_app.exception_handler(Exception)
+async def _server_error(request: Request, error: Exception):
+    """A bug answers in the OpenAI error shape too (and is logged), never as a bare 500."""
+    logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
+    body = api.ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").body()
+    return JSONResponse(body, status_code=500)
+
+
 class ClientGone(Exception):
     """The client closed the connection while its request waited."""
 
@@ -366,6 +374,7 @@ class Router:
 
     async def _serve(self, request: Request, chat: bool):
         endpoint, start, arrived = ("chat" if chat else "completions"), time.perf_counter(), time.time()
+        marks = {"router_in": arrived, "node": None}  # the trip's marks; "node": where it was sent
         try:
             self._authorize(request)
             body = await self._body(request)
@@ -378,7 +387,6 @@ class Router:
                                               self.model_config.text.vocab_size)
             tokens = self._render(parsed)
             rid = api.new_id("chatcmpl" if chat else "cmpl")
-            marks = {"router_in": arrived, "node": None}
             stream, fallback = await self._events(parsed, tokens, rid, marks)
             marks["router_sent"] = time.time()
             try:
