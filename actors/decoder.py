@@ -179,14 +179,14 @@ class DecoderPool:
                                       peers=peer_store)
         # Short new prompts are encoded here (see Router._events): the same logic as a
         # prefill replica, on this replica's engine and store.
-        self.prefiller = PrefillService(bundle.engine, store, bundle.naming, node_id(), peer_store)
+        self.node_id = node_id()
+        self.prefiller = PrefillService(bundle.engine, store, bundle.naming, self.node_id, peer_store)
         self.executor = one_thread_executor()
         self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stepping: asyncio.Task | None = None
         self.slots = asyncio.Semaphore(config.max_batch)  # places in the batch
         self.queued = 0  # requests in this replica waiting for a place
-        self.node_id = node_id()
         self.prefetched: OrderedDict[ObjectKey, asyncio.Future] = OrderedDict()
 
     async def prefetch(self, keys: tuple[ObjectKey, ...], preferred_nodes: list[str] | None = None) -> None:

@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import asyncio
 
-import ray
 from ray.exceptions import RayError
+
+from actors.store import store_actors
 
 
 async def store_problems(namespace: str = "v41", timeout_s: float = 2.0) -> list[str]:
     """One line per store actor on a live node that does not answer within
     ``timeout_s`` (restarting, hung, or dead); nodes without a store are not asked."""
-    nodes = await asyncio.to_thread(ray.nodes)
-    handles = {}
-    for node in nodes:
-        if not node.get("Alive"):
-            continue
-        try:
-            handles[node["NodeID"]] = ray.get_actor(f"{namespace}-store-{node['NodeID']}", namespace=namespace)
-        except ValueError:
-            continue
+    handles = await asyncio.to_thread(store_actors, namespace)
 
     async def ask(node_id: str, handle) -> str | None:
         try:
             await asyncio.wait_for(asyncio.wrap_future(handle.pid.remote().future()), timeout_s)
             return None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"store on node {node_id[:12]}: not answering within {timeout_s:g} s (restarting?)"
         except RayError as error:
             return f"store on node {node_id[:12]}: {type(error).__name__}"

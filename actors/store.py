@@ -163,7 +163,6 @@ class RemoteStore:
         self.handle = handle
         self._settings, self._fingerprint, self._node_id = settings, fingerprint, node_id
         self._namespace, self._timeout_s = namespace, timeout_s
-        self.failures = 0
         self._down_until = 0.0  # time.monotonic(): after a failure, reads miss at once until then
 
     def get_many(self, keys: list[ObjectKey]) -> list[bytes | None]:
@@ -192,7 +191,6 @@ class RemoteStore:
     def recover(self) -> None:
         """After a failed call: get the node's store actor again (the same one once Ray
         has restarted it, a new one if it is gone) and give it the current settings."""
-        self.failures += 1
         if self._settings is None:
             return
         try:
@@ -200,6 +198,18 @@ class RemoteStore:
             self.handle.configure.remote(self._settings, self._fingerprint)
         except RayError:
             pass  # the next failure tries again
+
+
+def store_actors(namespace: str = "v41") -> dict:
+    """The store actor of every live node that has one, by node id."""
+    handles = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            try:
+                handles[node["NodeID"]] = ray.get_actor(f"{namespace}-store-{node['NodeID']}", namespace=namespace)
+            except ValueError:  # a node without a store
+                continue
+    return handles
 
 
 def peer_store(node_id: str, namespace: str = "v41") -> RemoteStore | None:

@@ -126,6 +126,11 @@ async def _server_error(request: Request, error: Exception):
     return JSONResponse(body, status_code=500)
 
 
+def _generation_failed(error: BaseException) -> api.ApiError:
+    """A replica died or failed under a request: a server error, nothing cached."""
+    return api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error")
+
+
 class ClientGone(Exception):
     """The client closed the connection while its request waited."""
 
@@ -411,8 +416,7 @@ class Router:
             self._ended(marks)
             logger.exception("request failed before its first token")
             self.metrics.record(endpoint, "503")
-            body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
-            return JSONResponse(body, status_code=503)
+            return JSONResponse(_generation_failed(error).body(), status_code=503)
         if self.load is not None and first.get("node"):
             self.load.seen(first["node"])
         queued_ms = self._admitted(first, marks)
@@ -425,8 +429,7 @@ class Router:
             result = await self._collect(events, parsed, start)
         except Exception as error:  # the decoder died or failed: a clear error, nothing cached
             self.metrics.record(endpoint, "503")
-            body = api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body()
-            return JSONResponse(body, status_code=503)
+            return JSONResponse(_generation_failed(error).body(), status_code=503)
         # Counted once the response is out (Ray metrics cost ~0.1 ms a request).
         counted = BackgroundTask(self._count, endpoint, "200", len(tokens), result["cached"],
                                  len(result["tokens"]), result["ttft"], time.perf_counter() - start)
@@ -566,9 +569,8 @@ class Router:
                 yield api.sse(chunk)
             if request.messages:
                 self._remember("".join(reasoning_parts) if request.thinking else None, "".join(parts), tokens)
-            self.finished.append(time.monotonic())
-            self.metrics.record(endpoint, "200", prompt_tokens, cached, len(tokens), ttft, time.perf_counter() - start)
+            await self._count(endpoint, "200", prompt_tokens, cached, len(tokens), ttft, time.perf_counter() - start)
         except Exception as error:  # mid-stream failure: tell the client, end the stream
             self.metrics.record(endpoint, "503")
-            yield api.sse(api.ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error").body())
+            yield api.sse(_generation_failed(error).body())
         yield api.sse("[DONE]")

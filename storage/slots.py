@@ -82,8 +82,7 @@ def _last_use(directory: Path) -> float:
     return 0.0
 
 
-def claim(ssd_dir: str, node_name: str | None = None, *, collect_after_s: float | None = None,
-          now: float | None = None) -> Slot:
+def claim(ssd_dir: str, node_name: str | None = None, *, collect_after_s: float | None = None) -> Slot:
     """The directory a store should use for ``ssd_dir`` (see the module's docstring),
     locked for this process. ``collect_after_s``: delete free slots whose last claim is
     older than this."""
@@ -98,8 +97,11 @@ def claim(ssd_dir: str, node_name: str | None = None, *, collect_after_s: float 
     after, slash, suffix = tail.partition("/")
     parent = Path(parent_text or ("/" if head.startswith("/") else "."))
 
-    def place(name: str) -> Path:
-        return parent / f"{before}{name}{after}" / suffix if slash else parent / f"{before}{name}{after}"
+    def top(name: str) -> Path:  # the slot's directory under ``parent``
+        return parent / f"{before}{name}{after}"
+
+    def place(name: str) -> Path:  # where the store keeps its files in it
+        return top(name) / suffix if slash else top(name)
 
     def slot_name(entry_name: str) -> str | None:
         """The slot name of a directory under ``parent``, if its name fits the pattern."""
@@ -121,10 +123,10 @@ def claim(ssd_dir: str, node_name: str | None = None, *, collect_after_s: float 
     else:
         chosen = _free_slot(existing, place)
     if collect_after_s is not None:
-        now = time.time() if now is None else now
+        now = time.time()
         for name in existing:
             if place(name) != chosen.path and now - _last_use(place(name)) > collect_after_s:
-                _collect(parent / f"{before}{name}{after}", place(name))
+                _collect(top(name), place(name))
     return chosen
 
 

@@ -39,12 +39,10 @@ def stored_objects() -> int:
     are published (a conversation is written after its answer is out)."""
     import ray
 
+    from actors.store import store_actors
+
     total = 0
-    for node in ray.nodes():
-        try:
-            store = ray.get_actor(f"v41-store-{node['NodeID']}", namespace="v41")
-        except ValueError:  # a node without a store actor
-            continue
+    for store in store_actors().values():
         ray.get(store.flush.remote())
         stats = ray.get(store.stats.remote())
         if stats.index_pending:

@@ -136,12 +136,10 @@ def _store_hits(namespace: str = "v41") -> dict[str, int]:
     """Hits per tier over every node's store (fresh per policy)."""
     import ray
 
+    from actors.store import store_actors
+
     hits: dict[str, int] = {}
-    for node in ray.nodes():
-        try:
-            store = ray.get_actor(f"{namespace}-store-{node['NodeID']}", namespace=namespace)
-        except ValueError:
-            continue
+    for store in store_actors(namespace).values():
         for tier, counters in ray.get(store.stats.remote()).tiers.items():
             hits[tier] = hits.get(tier, 0) + counters.hits
     return hits
@@ -151,11 +149,10 @@ def _drop_stores(namespace: str = "v41") -> None:
     """Kill every node's store actor: the next policy starts with empty caches."""
     import ray
 
-    for node in ray.nodes():
-        try:
-            ray.kill(ray.get_actor(f"{namespace}-store-{node['NodeID']}", namespace=namespace), no_restart=True)
-        except ValueError:
-            continue
+    from actors.store import store_actors
+
+    for store in store_actors(namespace).values():
+        ray.kill(store, no_restart=True)
 
 
 async def _workload(url: str, model: str, args) -> tuple[list, float]:
