@@ -69,7 +69,7 @@ class DecoderService:
         self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._finished,
                                speculation=speculation)
         self._requests: dict[str, _Conversation] = {}
-        self._pending: dict[str, tuple[_Conversation, SequenceCache, list[int]]] = {}
+        self._pending: dict[str, list[tuple[ObjectKey, bytes]]] = {}
         self.last_admit_s = 0.0
 
     def admit(self, request_id: str, handoff: Handoff, params: SamplingParams,
@@ -126,15 +126,16 @@ class DecoderService:
         return len(self.batcher.running)
 
     def _finished(self, request_id: str, cache: SequenceCache, generated: list[int]) -> None:
+        # Serialised here, in the step that finished the request (on the engine thread
+        # already): a later trip there would wait behind the queued steps and admissions.
         handoff = self._requests.pop(request_id, None)
         if handoff is not None:
-            self._pending[request_id] = (handoff, cache, generated)
+            self._pending[request_id] = self._objects(handoff, cache, generated)
 
     def conversation_objects(self, request_id: str) -> list[tuple[ObjectKey, bytes]]:
         """A finished request's new whole chunks and its window state, as (key, bytes),
         once (empty if it did not finish, or was taken already)."""
-        pending = self._pending.pop(request_id, None)
-        return self._objects(*pending) if pending is not None else []
+        return self._pending.pop(request_id, [])
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's conversation without storing it."""
@@ -143,8 +144,8 @@ class DecoderService:
     def write_pending(self) -> None:
         """Store every finished conversation not stored yet (chunks and window state)."""
         pending, self._pending = self._pending, {}
-        for conversation in pending.values():
-            for key, payload in self._objects(*conversation):
+        for objects in pending.values():
+            for key, payload in objects:
                 self.store.put(key, payload)
 
     def _objects(self, handoff: _Conversation, cache: SequenceCache,
@@ -257,7 +258,15 @@ class DecoderPool:
             self.queued -= 1
             self.metrics.queued.set(self.queued)
         admitted = time.time()
-        events = self._admitted(request_id, admit, admitted)
+        held = True
+
+        def leave_batch() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.slots.release()
+
+        events = self._admitted(request_id, admit, admitted, leave_batch)
         try:
             async for event in events:
                 yield event
@@ -265,9 +274,9 @@ class DecoderPool:
             try:
                 await events.aclose()  # a client gone: its request leaves the batch now
             finally:
-                self.slots.release()
+                leave_batch()
 
-    async def _admitted(self, request_id: str, admit, admitted: float):
+    async def _admitted(self, request_id: str, admit, admitted: float, leave_batch: Callable[[], None]):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
@@ -275,6 +284,7 @@ class DecoderPool:
             handoff, first = await loop.run_in_executor(self.executor, admit)
             timeline = {**handoff.timeline, "admitted": admitted, "decode_out": time.time()}
             if first.finish_reason is not None:
+                leave_batch()
                 await self._store_conversation(request_id)
             yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
                    "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
@@ -289,6 +299,7 @@ class DecoderPool:
                 if isinstance(event, BaseException):
                     raise event
                 if event.finish_reason is not None:
+                    leave_batch()  # its place is free while the conversation is stored
                     await self._store_conversation(request_id)
                 yield dataclasses.asdict(event)
                 if event.finish_reason is not None:
@@ -304,8 +315,7 @@ class DecoderPool:
         before its last token goes out: the next turn, sent the moment the answer is
         complete, finds every chunk. A store that does not answer in time costs the
         next turn its hit, never this request."""
-        objects = await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.service.conversation_objects, request_id)
+        objects = self.service.conversation_objects(request_id)
         if objects:
             await self.service.store.put_now(objects)
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray.serve.config import RequestRouterConfig
-
 from actors.decoder import DecoderPool
 from actors.prefill import PrefillPool
 from cluster.config import AppConfig
 from cluster.router import Router
-from cluster.routing import ROUTERS
+from cluster.routing import request_router_config
 
 
 def decoder_options(config: AppConfig) -> dict[str, Any]:
@@ -27,7 +25,7 @@ def decoder_options(config: AppConfig) -> dict[str, Any]:
     ``decoder_max_replicas``, Serve's autoscaler reads the same numbers: it aims at one
     full batch of ongoing requests per replica."""
     options: dict[str, Any] = {
-        "request_router_config": RequestRouterConfig(request_router_class=ROUTERS[config.routing]),
+        "request_router_config": request_router_config(config.routing),
         "max_ongoing_requests": config.max_batch + max(4, config.max_batch // 4),
         "max_queued_requests": config.max_queued_requests,
         "ray_actor_options": {"num_cpus": 1, "resources": dict(config.decoder_resources)},
@@ -46,7 +44,7 @@ def build_app(args: dict[str, Any] | None = None):
     config = AppConfig.from_args(args)
     prefill = PrefillPool.options(
         num_replicas=config.prefill_replicas,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[config.routing]),
+        request_router_config=request_router_config(config.routing),
         ray_actor_options={"num_cpus": 1, "resources": dict(config.prefill_resources)},
     ).bind(config)
     decoder = DecoderPool.options(**decoder_options(config)).bind(config)

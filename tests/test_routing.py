@@ -58,3 +58,33 @@ def test_the_routers_own_count_sends_a_request_to_its_cache_or_to_the_load():
     load.ended("B")  # more ends than starts never go below zero
     assert load.inflight == {"A": 0, "B": 0}
     assert load.prefer(["B"]) == ["B"]
+
+
+def test_the_routers_let_serve_back_off_when_every_replica_is_full():
+    """Serve retries a request whose ranks were all full at once, in a loop of probes to
+    the replicas, unless the router asks it to back off (its own locality mixin does;
+    a custom router must): the loop halved a decoder replica's throughput."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.request_router.common import PendingRequest
+
+    from cluster.routing import PrefixAffinityRouter, RoundRobinRouter
+
+    @dataclass(frozen=True)
+    class ReplicaId:
+        unique_id: str
+
+    replicas = [SimpleNamespace(name=f"r{i}", node_id="a", replica_id=ReplicaId(f"r{i}")) for i in range(2)]
+    router = SimpleNamespace(replica_queue_len_cache={}, _turn=0)
+
+    async def ranks(router_class):
+        pending = PendingRequest(args=[], kwargs={"preferred_nodes": ["a"]}, metadata=SimpleNamespace())
+        assert not pending.routing_context.should_backoff
+        chosen = await router_class.choose_replicas(router, replicas, pending)
+        return chosen, pending.routing_context.should_backoff
+
+    for router_class in (PrefixAffinityRouter, RoundRobinRouter):
+        chosen, backs_off = asyncio.run(ranks(router_class))
+        assert sorted(r.name for rank in chosen for r in rank) == ["r0", "r1"]
+        assert backs_off, router_class.__name__
