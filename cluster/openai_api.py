@@ -18,8 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
-from model.chat import Message, resolve_effort
+from model.chat import Message
 from model.runtime.sampling import SamplingParams, SamplingParamsError
+from model.tools import DSML, Content, ToolCall, ToolCallStream
 
 
 class ApiError(Exception):
@@ -47,6 +48,19 @@ class GenerationRequest:
     prompt: str | tuple[int, ...] | None = None
     thinking: bool = False
     effort: int | None = None
+    tools: tuple[dict, ...] = ()  # the ``function`` objects the model may call
+    tool_choice: str = "auto"  # "auto" (the answer's calls are parsed) or "none" (they are not)
+
+    @property
+    def parses_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+# OpenAI's reasoning_effort names on V4.1's dial (1-100). The released encoder names three
+# points, low = 50, high = 75, max = 100; OpenAI's other names sit between and below them:
+# minimal is half of low, medium midway from low to high, xhigh the top. "none" turns
+# thinking off, as does leaving the parameter out.
+OPENAI_EFFORT = {"minimal": 25, "low": 50, "medium": 62, "high": 75, "xhigh": 100, "max": 100}
 
 
 _MAX_TOKENS_LIMIT = 1 << 20
@@ -123,10 +137,43 @@ class _TextPart(_Schema):
     text: str
 
 
+class _Function(_Schema):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # enforced only with constrained decoding: refused when true
+
+
+class _Tool(_Schema):
+    type: Literal["function"]
+    function: _Function
+
+
+class _CalledFunction(_Schema):
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class _ToolCallIn(_Schema):
+    id: str
+    type: Literal["function"]
+    function: _CalledFunction
+
+
+class _NamedChoice(_Schema):
+    class _Name(_Schema):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
+
+
 class _Message(_Schema):
     role: str
     content: str | list[_TextPart] | None = None
     reasoning_content: str | None = None
+    tool_calls: list[_ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
 
 class _Request(_Schema):
@@ -154,6 +201,9 @@ class ChatRequest(_Request):
     messages: list[_Message] = Field(min_length=1)
     reasoning_effort: str | None = None
     logprobs: Literal[False] | None = None
+    tools: list[_Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | _NamedChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class CompletionRequest(_Request):
@@ -227,20 +277,54 @@ def parse_chat(data: dict, model_name: str, default_max: int) -> GenerationReque
         content = message.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
+        calls = tuple(ToolCall(call.function.name, call.function.arguments, call.id)
+                      for call in message.tool_calls or ())
         try:
-            messages.append(Message(message.role, content or "", reasoning=message.reasoning_content))
+            messages.append(Message(message.role, content or "", reasoning=message.reasoning_content,
+                                    tool_calls=calls, tool_call_id=message.tool_call_id))
         except ValueError as error:
             raise ApiError(400, f"messages[{i}]: {error}", "messages") from None
-    effort = request.reasoning_effort
-    thinking = effort is not None
-    if thinking:
-        try:
-            effort = resolve_effort(effort)
-        except ValueError as error:
-            raise ApiError(400, str(error), "reasoning_effort") from None
+    thinking, effort = _effort(request.reasoning_effort)
+    tools, choice = _tools(request)
     stream, include_usage = _stream_flags(request)
     return GenerationRequest(model_name, _sampling(request, default_max), stream, include_usage,
-                             messages=tuple(messages), thinking=thinking, effort=effort)
+                             messages=tuple(messages), thinking=thinking, effort=effort, tools=tools,
+                             tool_choice=choice)
+
+
+def _effort(name: str | None) -> tuple[bool, int | None]:
+    """(thinking, effort 1-100) for OpenAI's ``reasoning_effort``; see OPENAI_EFFORT."""
+    if name is None or name == "none":
+        return False, None
+    if name not in OPENAI_EFFORT:
+        raise ApiError(400, f"unknown reasoning_effort {name!r}; use none, {', '.join(OPENAI_EFFORT)}",
+                       "reasoning_effort")
+    return True, OPENAI_EFFORT[name]
+
+
+def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str]:
+    """The tools' ``function`` objects as the system block lists them (name, description,
+    parameters: the released encoder's order), and the tool choice."""
+    functions = tuple({key: value for key, value in (("name", tool.function.name),
+                                                     ("description", tool.function.description),
+                                                     ("parameters", tool.function.parameters)) if value is not None}
+                      for tool in request.tools or ())
+    names = [function["name"] for function in functions]
+    if len(set(names)) != len(names):
+        raise ApiError(400, "tools: two tools have the same name", "tools")
+    if any(tool.function.strict for tool in request.tools or ()):
+        raise ApiError(400, "tools[].function.strict: strict schemas need constrained decoding, which this server "
+                            "does not do yet", "tools")
+    choice = request.tool_choice
+    if isinstance(choice, _NamedChoice) or choice == "required":
+        raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (a required or named call needs "
+                            "constrained decoding, which this server does not do yet)", "tool_choice")
+    if choice is not None and not functions:
+        raise ApiError(400, "tool_choice is set but no tools are given", "tool_choice")
+    if request.parallel_tool_calls is False:
+        raise ApiError(400, "parallel_tool_calls: only true is supported (the model may call several tools in a "
+                            "turn)", "parallel_tool_calls")
+    return functions, choice or "auto"
 
 
 def parse_completion(data: dict, model_name: str, default_max: int, vocab_size: int) -> GenerationRequest:
@@ -277,10 +361,78 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, usage_: dict) -> dict:
-    message = {"role": "assistant", "content": content}
+class ChatAnswer:
+    """A chat answer as its tokens arrive: reasoning (up to ``</think>`` when thinking),
+    answer text, and, when the request has tools and lets the model call them, the
+    calls (:class:`model.tools.ToolCallStream`). ``push`` returns the stream deltas that
+    became certain; the non-streaming response reads the totals."""
+
+    def __init__(self, request: GenerationRequest, think_end: int, dsml: int | None):
+        self.think_end, self.dsml = think_end, dsml
+        self.in_thinking = request.thinking
+        self._reasoning: list[str] | None = [] if request.thinking else None
+        self._content: list[str] = []
+        self._calls = ToolCallStream() if request.parses_calls else None
+
+    def push(self, token_id: int, text: str) -> list[dict]:
+        if self.in_thinking:
+            if token_id == self.think_end:
+                self.in_thinking = False
+                return []
+            self._reasoning.append(text)
+            return [{"reasoning_content": text}] if text else []
+        if token_id == self.dsml and self.dsml is not None:
+            text = DSML  # a special token: the detokenizer skips it
+        if self._calls is None:
+            self._content.append(text)
+            return [{"content": text}] if text else []
+        return self._deltas(self._calls.push(text))
+
+    def finish(self) -> list[dict]:
+        """Deltas for whatever was held back (the answer ended)."""
+        return self._deltas(self._calls.finish()) if self._calls is not None else []
+
+    def _deltas(self, events) -> list[dict]:
+        deltas = []
+        for event in events:
+            if isinstance(event, Content):
+                self._content.append(event.text)
+                if event.text:
+                    deltas.append({"content": event.text})
+            else:
+                deltas.append({"tool_calls": [tool_call_json(event.call, event.index)]})
+        return deltas
+
+    @property
+    def reasoning(self) -> str | None:
+        return "".join(self._reasoning) if self._reasoning is not None else None
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self._calls.calls if self._calls is not None else []
+
+    def finish_reason(self, finish: str) -> str:
+        """OpenAI's reason: a turn that stopped after calling tools ends in ``tool_calls``."""
+        return "tool_calls" if finish == "stop" and self.calls else finish
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    """A call as OpenAI writes it (with ``index``: as a streamed delta)."""
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return body if index is None else {"index": index, **body}
+
+
+def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, usage_: dict,
+                  calls: list[ToolCall] = ()) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [tool_call_json(call) for call in calls]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage_}
 
@@ -296,6 +448,15 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, usage_: di
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
+
+
+def chat_chunks(rid: str, model: str, deltas: list[dict], finish: str | None) -> list[dict]:
+    """The chunks for one token's ``deltas``, the finish reason on the last (alone if
+    the token added nothing)."""
+    if finish and not deltas:
+        deltas = [{}]
+    return [chat_chunk(rid, model, delta, finish if index == len(deltas) - 1 else None)
+            for index, delta in enumerate(deltas)]
 
 
 def completion_chunk(rid: str, model: str, text: str | None, finish: str | None, usage_: dict | None = None) -> dict:

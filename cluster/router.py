@@ -147,6 +147,11 @@ def _chained(first, stream, done):
     return events()
 
 
+def _answer_key(reasoning: str | None, content: str, calls) -> tuple:
+    """What identifies an answer in a returning history: its reasoning, text and calls."""
+    return reasoning, content, tuple((call.name, call.arguments) for call in calls)
+
+
 # The router takes every connection. A request waiting for a place in a decoder batch
 # waits at the router's handle to the decoder pool (Serve's queue, FIFO across the
 # replicas); beyond ``max_queued_requests`` waiting, it is answered 429.
@@ -192,6 +197,7 @@ class Router:
         # conversation re-renders them verbatim and its prefix stays cached.
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
         self.think_end = self.tokenizer.special.think_end
+        self.dsml = self.tokenizer.special.dsml  # a special token: its text is put back for the parser
         self.engram, self.hasher = None, None
         if config.engram_shards:
             import ray
@@ -255,15 +261,17 @@ class Router:
             return [self.tokenizer.special.bos] + self.tokenizer.encode(request.prompt)
         messages = []
         for message in request.messages:
-            known = self.answers.get((message.reasoning, message.content)) if message.role == "assistant" else None
+            known = self.answers.get(_answer_key(message.reasoning, message.content, message.tool_calls)) \
+                if message.role == "assistant" else None
             messages.append(dataclasses.replace(message, token_ids=known) if known else message)
         try:
-            return self.template.render(messages, thinking=request.thinking, effort=request.effort)
+            return self.template.render(messages, thinking=request.thinking, effort=request.effort,
+                                        tools=request.tools)
         except ValueError as error:
             raise api.ApiError(400, str(error), "messages") from None
 
-    def _remember(self, reasoning: str | None, content: str, tokens: list[int]) -> None:
-        self.answers[(reasoning, content)] = tuple(tokens)
+    def _remember(self, answer: api.ChatAnswer, tokens: list[int]) -> None:
+        self.answers[_answer_key(answer.reasoning, answer.content, answer.calls)] = tuple(tokens)
         while len(self.answers) > 4096:
             self.answers.popitem(last=False)
 
@@ -349,6 +357,16 @@ class Router:
             return JSONResponse(error.body(), status_code=error.status)
         return {"object": "list", "data": [{"id": self.config.model_name, "object": "model", "created": 0,
                                             "owned_by": "v41"}]}
+
+    @fastapi_app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        try:
+            self._authorize(request)
+            if model_id != self.config.model_name:
+                raise api.ApiError(404, f"The model `{model_id}` does not exist", "model", code="model_not_found")
+        except api.ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "v41"}
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat(self, request: Request):
@@ -436,7 +454,7 @@ class Router:
         usage = api.usage(len(tokens), len(result["tokens"]), result["cached"])
         if chat:
             body = api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
-                                     result["finish"], usage)
+                                     result["finish"], usage, result["calls"])
         else:
             body = api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage)
         # Time the replicas spent computing the first token (prefill, replay, sample), and
@@ -505,35 +523,30 @@ class Router:
         self.metrics.record(*args)
 
     async def _collect(self, stream, request: api.GenerationRequest, start: float) -> dict:
-        tokens, parts, reasoning_parts, cached, finish, replica_s = [], [], [], 0, "stop", 0.0
-        in_thinking, ttft, timeline, prefilled_by = request.thinking, None, {}, ""
+        tokens, cached, finish, replica_s = [], 0, "stop", 0.0
+        ttft, timeline, prefilled_by = None, {}, ""
+        answer = api.ChatAnswer(request, self.think_end, self.dsml)
         async for event in stream:
             if "cached_tokens" in event:
                 cached, replica_s, prefilled_by = event["cached_tokens"], event["replica_s"], event["prefilled_by"]
                 timeline = {**event["timeline"], "first_token": time.time()}
                 ttft = time.perf_counter() - start
             tokens.append(event["token_id"])
-            if in_thinking and event["token_id"] == self.think_end:
-                in_thinking = False
-            elif in_thinking:
-                reasoning_parts.append(event["text"])
-            else:
-                parts.append(event["text"])
+            answer.push(event["token_id"], event["text"])
             if event["finish_reason"]:
                 finish = event["finish_reason"]
                 break  # the request's last token: do not wait for the stream to close
-        content = "".join(parts)
-        reasoning = "".join(reasoning_parts) if request.thinking else None
+        answer.finish()
         if request.messages:
-            self._remember(reasoning, content, tokens)
-        return {"tokens": tokens, "content": content, "reasoning": reasoning, "cached": cached, "finish": finish,
-                "replica_s": replica_s, "ttft": ttft, "timeline": timeline, "prefilled_by": prefilled_by}
+            self._remember(answer, tokens)
+        return {"tokens": tokens, "content": answer.content, "reasoning": answer.reasoning, "calls": answer.calls,
+                "cached": cached, "finish": answer.finish_reason(finish), "replica_s": replica_s, "ttft": ttft,
+                "timeline": timeline, "prefilled_by": prefilled_by}
 
     async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool, start: float):
         model, prompt_tokens, cached, tokens, ttft = self.config.model_name, 0, 0, [], None
         endpoint = "chat" if chat else "completions"
-        in_thinking = request.thinking
-        parts, reasoning_parts = [], []
+        answer = api.ChatAnswer(request, self.think_end, self.dsml) if chat else None
         try:
             if chat:
                 yield api.sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
@@ -542,24 +555,14 @@ class Router:
                     cached, prompt_tokens = event["cached_tokens"], event["prompt_tokens"]
                     ttft = time.perf_counter() - start
                 tokens.append(event["token_id"])
-                text = event["text"]
-                if in_thinking and event["token_id"] == self.think_end:
-                    in_thinking, text = False, ""
-                    delta = None
-                elif in_thinking:
-                    reasoning_parts.append(text)
-                    delta = {"reasoning_content": text}
-                else:
-                    parts.append(text)
-                    delta = {"content": text}
                 finish = event["finish_reason"]
-                if chat:
-                    if delta is not None and (text or finish):
-                        yield api.sse(api.chat_chunk(rid, model, delta, finish))
-                    elif finish:
-                        yield api.sse(api.chat_chunk(rid, model, {}, finish))
+                if answer is None:
+                    yield api.sse(api.completion_chunk(rid, model, event["text"], finish))
                 else:
-                    yield api.sse(api.completion_chunk(rid, model, text, finish))
+                    deltas = answer.push(event["token_id"], event["text"]) + (answer.finish() if finish else [])
+                    finish = answer.finish_reason(finish) if finish else None
+                    for chunk in api.chat_chunks(rid, model, deltas, finish):
+                        yield api.sse(chunk)
                 if finish:
                     break  # the request's last token: do not wait for the stream to close
             if request.include_usage:
@@ -568,7 +571,7 @@ class Router:
                     api.completion_chunk(rid, model, None, None, usage)
                 yield api.sse(chunk)
             if request.messages:
-                self._remember("".join(reasoning_parts) if request.thinking else None, "".join(parts), tokens)
+                self._remember(answer, tokens)
             await self._count(endpoint, "200", prompt_tokens, cached, len(tokens), ttft, time.perf_counter() - start)
         except Exception as error:  # mid-stream failure: tell the client, end the stream
             self.metrics.record(endpoint, "503")

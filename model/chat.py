@@ -43,9 +43,17 @@ What still changes the whole prompt from its first tokens: a different system
 message, a different effort, or switching thinking on/off (the effort line is
 rendered only in thinking mode). That is a cache miss, never a wrong answer.
 
-Not implemented: tool schemas in the system prompt and DSML tool-call rendering,
-the internal task tokens, and image parts (``Tokenizer.special.image`` is exposed
-for the vision processor). ``<｜System｜>`` is used only when the tokenizer has it
+Tools (:mod:`model.tools`): the tool schemas follow the system prompt and a blank line
+in the system block (with no system message, an empty one: ``<｜System｜>`` + the effort
+line + ``\n\n## Tools...``, as vLLM renders it); an assistant turn's calls follow its
+answer as one DSML block, then the end-of-sentence token; tool results join the next
+user turn in the order of the calls they answer (by ``tool_call_id``). Reasoning is kept
+in every turn, as the released encoder does whenever tools are given. ``developer``
+messages are system messages (OpenAI's newer name for them; the released encoder has
+no such role).
+
+Not implemented: the internal task tokens, and image parts (``Tokenizer.special.image``
+is exposed for the vision processor). ``<｜System｜>`` is used only when the tokenizer has it
 as one token; otherwise the system block follows the BOS unmarked (V3 layout)
 and mid-conversation system messages are rejected.
 """
@@ -61,6 +69,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import tokenizers
+
+from model.tools import DSML, ToolCall, calls_text, tools_text
 
 
 class ChatFormatError(ValueError):
@@ -85,7 +95,7 @@ _EFFORT_LINE = "Reasoning Effort: {effort} (range 1-100, the higher the value, t
 _TOOL_RESULT = "<tool_result>{content}</tool_result>"
 _PART_SEPARATOR = "\n\n"
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,7 @@ class SpecialTokens:
     image: int
     system: int | None = None
     noise: int | None = None
+    dsml: int | None = None  # ｜DSML｜, the tool-call markup's token (None: spelled as text)
 
 
 class Tokenizer:
@@ -144,6 +155,7 @@ class Tokenizer:
             image=self._require(IMAGE_TOKEN),
             system=self.token_id(SYSTEM_TOKEN),
             noise=noise_token_id,
+            dsml=self.token_id(DSML),
         )
 
     @classmethod
@@ -232,9 +244,11 @@ class IncrementalDetokenizer:
 class Message:
     """One turn of a conversation.
 
-    role: "system", "user", "assistant" or "tool" (a tool result; it joins the
-        user turn it belongs to).
+    role: "system", "developer" (the same), "user", "assistant" or "tool" (a tool
+        result; it joins the user turn it belongs to).
     content: the text of the turn (for an assistant: the answer after ``</think>``).
+    tool_calls: assistant only: the tools the turn called (rendered after ``content``).
+    tool_call_id: tool only: the call this result answers (orders the results).
     reasoning: assistant only. A string (possibly empty) marks a turn produced with
         thinking on; None a turn produced with thinking off.
     token_ids: assistant only, optional. The ids the model generated after the
@@ -247,14 +261,19 @@ class Message:
     content: str = ""
     reasoning: str | None = None
     token_ids: tuple[int, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ChatFormatError(f"unknown role {self.role!r}; expected one of {', '.join(ROLES)}")
         if not isinstance(self.content, str):
             raise ChatFormatError(f"{self.role} content must be a string, got {type(self.content).__name__}")
-        if self.role != "assistant" and (self.reasoning is not None or self.token_ids is not None):
-            raise ChatFormatError(f"only assistant turns carry reasoning or token_ids, not {self.role!r}")
+        if self.role != "assistant" and (self.reasoning is not None or self.token_ids is not None or self.tool_calls):
+            raise ChatFormatError(f"only assistant turns carry reasoning, token_ids or tool_calls, not {self.role!r}")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ChatFormatError(f"only tool results carry a tool_call_id, not {self.role!r}")
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
         if self.token_ids is not None:
             object.__setattr__(self, "token_ids", tuple(int(i) for i in self.token_ids))
 
@@ -325,6 +344,7 @@ class ChatTemplate:
         thinking: bool = False,
         effort: int | str | None = None,
         add_generation_prompt: bool = True,
+        tools: Sequence[dict] = (),
     ) -> list[int]:
         """Prompt ids for ``messages``.
 
@@ -333,6 +353,8 @@ class ChatTemplate:
         effort: 1..100 or "low"/"high"/"max"; validated always, used only with thinking.
         add_generation_prompt: end with the assistant header (the conversation must
             then end with a user, tool or mid-conversation system turn).
+        tools: the ``function`` objects of the tools the model may call (their
+            schemas join the system block).
 
         Prefix property: if ``ids = render(msgs)`` and the model generated ``out``,
         then ``ids + out`` is a prefix of ``render(msgs + [assistant, user])`` when the
@@ -340,7 +362,7 @@ class ChatTemplate:
         ``out``) and thinking/effort/system are unchanged.
         """
         ids: list[int] = []
-        for segment in self._segments(messages, thinking, effort, add_generation_prompt):
+        for segment in self._segments(messages, thinking, effort, add_generation_prompt, tools):
             if isinstance(segment, int):
                 ids.append(segment)
             elif isinstance(segment, str):
@@ -356,10 +378,11 @@ class ChatTemplate:
         thinking: bool = False,
         effort: int | str | None = None,
         add_generation_prompt: bool = True,
+        tools: Sequence[dict] = (),
     ) -> str:
         """The prompt as text (for logs and debugging); same arguments as ``render``."""
         parts = []
-        for segment in self._segments(messages, thinking, effort, add_generation_prompt):
+        for segment in self._segments(messages, thinking, effort, add_generation_prompt, tools):
             if isinstance(segment, int):
                 parts.append(self.tokenizer.decode([segment]))
             elif isinstance(segment, str):
@@ -369,7 +392,8 @@ class ChatTemplate:
         return "".join(parts)
 
     def _segments(
-        self, messages: Sequence[Message], thinking: bool, effort: int | str | None, add_generation_prompt: bool
+        self, messages: Sequence[Message], thinking: bool, effort: int | str | None, add_generation_prompt: bool,
+        tools: Sequence[dict] = (),
     ) -> Iterable[Segment]:
         sp = self.tokenizer.special
         effort_value = resolve_effort(effort)
@@ -378,7 +402,7 @@ class ChatTemplate:
 
         yield sp.bos
         leading_system = turns[0][0] == "system"
-        if leading_system or thinking:
+        if leading_system or thinking or tools:
             if sp.system is not None:
                 yield sp.system
             if thinking:
@@ -386,6 +410,8 @@ class ChatTemplate:
             if leading_system:
                 yield turns[0][1].content
                 turns = turns[1:]
+            if tools:
+                yield from self._markup(_PART_SEPARATOR + tools_text(tools))
 
         for index, (role, message) in enumerate(turns):
             if role == "system":
@@ -423,7 +449,22 @@ class ChatTemplate:
             yield message.reasoning
             yield sp.think_end
         yield message.content
+        if message.tool_calls:
+            yield from self._markup(calls_text(message.tool_calls))
         yield sp.eos
+
+    def _markup(self, text: str) -> Iterable[Segment]:
+        """Text holding the tool-call markup: ``｜DSML｜`` as its token where the
+        vocabulary has one (the released one does), else as text."""
+        dsml = self.tokenizer.special.dsml
+        if dsml is None:
+            yield text
+            return
+        for index, part in enumerate(text.split(DSML)):
+            if index:
+                yield dsml
+            if part:
+                yield part
 
 
 def _check_messages(messages: Sequence[Message]) -> Sequence[Message]:
@@ -443,7 +484,7 @@ def _merge_user_turns(messages: Sequence[Message]) -> list[tuple[str, Message]]:
     stays the leading system block; later ones are mid-conversation system turns.
     """
     turns: list[tuple[str, Message]] = []
-    for message in messages:
+    for message in _results_in_call_order(messages):
         if message.role in ("user", "tool"):
             text = _TOOL_RESULT.format(content=message.content) if message.role == "tool" else message.content
             if turns and turns[-1][0] == "user":
@@ -452,8 +493,30 @@ def _merge_user_turns(messages: Sequence[Message]) -> list[tuple[str, Message]]:
             else:
                 turns.append(("user", Message("user", text)))
         else:
-            turns.append((message.role, message))
+            role = "system" if message.role == "developer" else message.role
+            turns.append((role, message))
     return turns
+
+
+def _results_in_call_order(messages: Sequence[Message]) -> list[Message]:
+    """Each run of consecutive tool results sorted by the position of its
+    ``tool_call_id`` among the calls of the assistant turn before it (an unknown id
+    counts as the first; ties keep their order), as the released encoder does."""
+    ordered: list[Message] = []
+    calls: list[str] = []
+    run: list[Message] = []
+    for message in [*messages, None]:
+        if message is not None and message.role == "tool":
+            run.append(message)
+            continue
+        if run:
+            ordered += sorted(run, key=lambda m: calls.index(m.tool_call_id) if m.tool_call_id in calls else 0)
+            run = []
+        if message is not None:
+            if message.role == "assistant":
+                calls = [call.id for call in message.tool_calls]
+            ordered.append(message)
+    return ordered
 
 
 def _check_turn_order(turns: list[tuple[str, Message]], add_generation_prompt: bool, has_system_token: bool) -> None:

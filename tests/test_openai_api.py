@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from openai.types.chat import ChatCompletionChunk
 
 from cluster.openai_api import ApiError, parse_chat, parse_completion, parse_json
 
@@ -28,7 +32,17 @@ def test_a_chat_request_becomes_a_generation_request():
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools", "strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", "same name"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools", "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice",
+     "constrained decoding"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "constrained decoding"),
+    ({"tool_choice": "auto"}, "tool_choice", "no tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": False},
+     "parallel_tool_calls", "only true"),
+    ({"reasoning_effort": "huge"}, "reasoning_effort", "unknown reasoning_effort"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"logprobs": True}, "logprobs", "logprobs is not supported"),
     ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
@@ -51,7 +65,9 @@ def test_a_parameter_is_implemented_or_refused_by_name(extra, param, words):
 
 def test_messages_are_checked_field_by_field():
     for messages, words in (([], "messages"), ([{"content": "x"}], r"messages\[0\].role"),
-                            ([{"role": "user", "content": "x", "tool_calls": []}], r"messages\[0\].tool_calls is not"),
+                            ([{"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function",
+                                "function": {"name": "f", "arguments": "{}"}}]}], r"messages\[0\].*only assistant"),
+                            ([{"role": "user", "content": "x", "tool_call_id": "c"}], r"messages\[0\].*only tool"),
                             ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages"),
                             ([{"role": "wizard", "content": "x"}], "messages")):
         with pytest.raises(ApiError, match=words) as caught:
@@ -96,3 +112,100 @@ def test_hostile_bodies_are_refused_with_a_400(body, words):
 def test_a_body_within_the_limits_parses():
     body = b'{"a": ' + b"[" * 63 + b"]" * 63 + b', "b": "\\ud83d\\ude00"}'  # a surrogate pair is one character
     assert parse_json(body)["b"] == "\U0001F600"
+
+
+def test_tools_and_calls_in_the_history_are_parsed():
+    weather = {"name": "get_weather", "description": "d", "parameters": {"type": "object"}}
+    request = parse_chat({"model": MODEL, "tools": [{"type": "function", "function": weather}], "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]}, MODEL, 16)
+    assert request.tools == (weather,) and request.tool_choice == "auto" and request.parses_calls
+    assert request.messages[0].role == "developer"
+    assert request.messages[2].tool_calls[0].name == "get_weather"
+    assert request.messages[2].tool_calls[0].arguments == '{"city": "x"}'
+    assert request.messages[3].tool_call_id == "call_1"
+    # The system block lists the function's name, description and parameters in that order.
+    schema = {"parameters": {"type": "object"}, "name": "f"}
+    listed = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+                         "tools": [{"type": "function", "function": schema}]}, MODEL, 16)
+    assert list(listed.tools[0]) == ["name", "parameters"] and not listed.parses_calls
+
+
+@pytest.mark.parametrize("name, thinking, effort", [
+    (None, False, None), ("none", False, None), ("minimal", True, 25), ("low", True, 50), ("medium", True, 62),
+    ("high", True, 75), ("xhigh", True, 100), ("max", True, 100)])
+def test_openai_reasoning_effort_maps_onto_the_dial(name, thinking, effort):
+    request = _chat(**({} if name is None else {"reasoning_effort": name}))
+    assert (request.thinking, request.effort) == (thinking, effort)
+
+
+def _released_tokenizer():
+    import tokenizers
+
+    from model.chat import SYSTEM_TOKEN, Tokenizer
+    from model.tools import DSML
+
+    raw = tokenizers.Tokenizer.from_file(str(Path(__file__).parent / "golden" / "A" / "tokenizer.json"))
+    raw.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in (SYSTEM_TOKEN, DSML)])
+    return Tokenizer(raw.to_str())
+
+
+def _generated_ids(tokenizer, text: str) -> list[int]:
+    """``text`` as the model would generate it: ｜DSML｜ as its special token."""
+    from model.tools import DSML
+
+    ids = []
+    for index, part in enumerate(text.split(DSML)):
+        ids += ([tokenizer.special.dsml] if index else []) + tokenizer.encode(part)
+    return ids
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_streamed_tool_calls_assemble_in_the_openai_sdk(thinking):
+    """The deltas a chat answer with two calls streams, fed to the OpenAI SDK's own
+    stream accumulator, give the message the non-streaming response gives."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    from cluster.openai_api import ChatAnswer, chat_chunk, chat_chunks, chat_response
+    from model.tools import ToolCall, calls_text
+
+    tokenizer = _released_tokenizer()
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    request = _chat(tools=[tool], **({"reasoning_effort": "low"} if thinking else {}))
+    text = ("I should look." if thinking else "") + "Checking both." + calls_text(
+        [ToolCall("get_weather", '{"city": "Paris", "days": 1}'), ToolCall("get_weather", '{"city": "Tokyo"}')])
+    ids = _generated_ids(tokenizer, text)
+    if thinking:
+        cut = _generated_ids(tokenizer, "I should look.")
+        ids = cut + [tokenizer.special.think_end] + ids[len(cut):]
+    ids.append(tokenizer.special.eos)
+
+    detokenizer = tokenizer.detokenizer()  # skips special tokens, as the decoder's does
+    streamed, whole = ChatAnswer(request, tokenizer.special.think_end, tokenizer.special.dsml), \
+        ChatAnswer(request, tokenizer.special.think_end, tokenizer.special.dsml)
+    state = ChatCompletionStreamState(input_tools=[tool])
+    state.handle_chunk(ChatCompletionChunk.model_validate(chat_chunk("id", MODEL, {"role": "assistant"}, None)))
+    for position, token in enumerate(ids):
+        piece = detokenizer.push(token)
+        last = position == len(ids) - 1
+        whole.push(token, piece)
+        deltas = streamed.push(token, piece) + (streamed.finish() if last else [])
+        finish = streamed.finish_reason("stop") if last else None
+        for chunk in chat_chunks("id", MODEL, deltas, finish):
+            state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    whole.finish()
+    message = state.get_final_completion().choices[0].message
+    assert message.content == "Checking both."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 1}), ("get_weather", {"city": "Tokyo"})]
+    assert state.get_final_completion().choices[0].finish_reason == "tool_calls"
+    assert getattr(message, "reasoning_content", None) == ("I should look." if thinking else None)
+    body = chat_response("id", MODEL, whole.content, whole.reasoning, whole.finish_reason("stop"), {}, whole.calls)
+    assert body["choices"][0]["message"]["content"] == message.content
+    assert [c["function"]["name"] for c in body["choices"][0]["message"]["tool_calls"]] == ["get_weather"] * 2
+    assert body["choices"][0]["finish_reason"] == "tool_calls"

@@ -46,6 +46,46 @@ def test_models_and_health(app, client):
     assert health(app) == {"status": "ok", "problems": []}
 
 
+def test_a_model_is_retrieved_by_id(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_tool_loop_with_the_sdk_stays_cached_turn_after_turn(client):
+    """Tools in the system block, a developer message, calls and their results in the
+    history (results out of order), OpenAI's effort names: each returning turn reads the
+    whole previous prompt and answer from the cache."""
+    messages = [{"role": "developer", "content": "Answer with code.\n" * 6},
+                {"role": "user", "content": "What is the weather in Paris and in Rome?\n" * 4}]
+    calls = [{"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    previous = None
+    for turn, effort in enumerate(["medium", "medium", "medium"]):
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                tools=[WEATHER], reasoning_effort=effort)
+        message = answer.choices[0].message
+        assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        assert message.reasoning_content is not None  # thinking on: the reasoning comes apart
+        if previous is not None:
+            assert answer.usage.prompt_tokens_details.cached_tokens >= previous, turn
+        previous = answer.usage.prompt_tokens + answer.usage.completion_tokens - 1
+        messages.append({"role": "assistant", "content": message.content,
+                         "reasoning_content": message.reasoning_content})
+        if turn == 0:  # the model called two tools (written by the client: the small model does not)
+            messages[-1]["tool_calls"] = calls
+            previous = None  # a turn the client rewrote is not the model's: no claim on its cache
+            messages += [{"role": "tool", "tool_call_id": "call_b", "content": "Rome: 21 C"},
+                         {"role": "tool", "tool_call_id": "call_a", "content": "Paris: 18 C"}]
+        else:
+            messages.append({"role": "user", "content": f"and tomorrow? ({turn})"})
+
+
 def test_chat_streaming_equals_plain_and_counts_usage(client):
     messages = [{"role": "user", "content": "class Queue:\n    def put(self, item):"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0)
