@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -177,9 +178,8 @@ class _Message(_Schema):
 
 
 class _Request(_Schema):
-    """What chat and completions requests share. ``n``, the penalties, ``logit_bias`` and
-    ``logprobs`` are accepted at their no-op values only; ``user`` is accepted and
-    unused (OpenAI's end-user tag)."""
+    """What chat and completions requests share. ``n`` is accepted at 1 only; ``user``
+    is accepted and unused (OpenAI's end-user tag)."""
 
     model: str | None = None
     max_tokens: Integer | None = None
@@ -191,8 +191,8 @@ class _Request(_Schema):
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
     n: Literal[1] | None = None
-    presence_penalty: Literal[0] | None = None
-    frequency_penalty: Literal[0] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
     user: str | None = None
 
@@ -200,7 +200,8 @@ class _Request(_Schema):
 class ChatRequest(_Request):
     messages: list[_Message] = Field(min_length=1)
     reasoning_effort: str | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Integer | None = None
     tools: list[_Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | _NamedChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -211,7 +212,7 @@ class CompletionRequest(_Request):
     echo: Literal[False] | None = None
     best_of: Literal[1] | None = None
     suffix: None = None
-    logprobs: Literal[0] | None = None
+    logprobs: Integer | None = None
 
 
 def _validated(schema: type[_Request], data: dict) -> _Request:
@@ -228,7 +229,7 @@ def _validated(schema: type[_Request], data: dict) -> _Request:
             raise ApiError(400, f"{where} is not supported by this server", param) from None
         if param == "n":
             raise ApiError(400, "only n=1 is supported", "n") from None
-        if param in ("presence_penalty", "frequency_penalty", "echo", "best_of", "suffix", "logprobs"):
+        if param in ("echo", "best_of", "suffix"):
             raise ApiError(400, f"{param} is not supported by this server (only its default)", param) from None
         message = first["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{where or 'request'}: {message}", param) from None
@@ -238,9 +239,31 @@ def _union_member(part: str) -> bool:
     return part in ("str", "int", "float", "bool", "none") or part.startswith(("list[", "dict[", "function-", "literal["))
 
 
-def _sampling(request: _Request, default_max: int) -> SamplingParams:
-    if request.logit_bias:
-        raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
+def _logit_bias(request: _Request, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    bias = []
+    for key, value in (request.logit_bias or {}).items():
+        if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model's vocabulary (0 to "
+                                f"{(vocab_size or 1) - 1})", "logit_bias")
+        bias.append((int(key), float(value)))
+    return tuple(bias)
+
+
+def _logprobs(request: _Request) -> int | None:
+    """How many alternatives per token (None: no logprobs): chat's ``logprobs`` +
+    ``top_logprobs`` (0-20), completions' ``logprobs`` (0-5)."""
+    if isinstance(request, ChatRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+            raise ApiError(400, "top_logprobs must be an integer in 0..20", "top_logprobs")
+        return (request.top_logprobs or 0) if request.logprobs else None
+    if request.logprobs is not None and not 0 <= request.logprobs <= 5:
+        raise ApiError(400, "logprobs must be an integer in 0..5", "logprobs")
+    return request.logprobs
+
+
+def _sampling(request: _Request, default_max: int, vocab_size: int | None = None) -> SamplingParams:
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens = default_max if max_tokens is None else max_tokens
     if not 1 <= max_tokens <= _MAX_TOKENS_LIMIT:
@@ -259,9 +282,13 @@ def _sampling(request: _Request, default_max: int) -> SamplingParams:
             temperature=1.0 if request.temperature is None else float(request.temperature),
             top_p=1.0 if request.top_p is None else float(request.top_p),
             seed=request.seed, max_tokens=max_tokens, stop=stop,
+            presence_penalty=float(request.presence_penalty or 0), frequency_penalty=float(request.frequency_penalty or 0),
+            logit_bias=_logit_bias(request, vocab_size), logprobs=_logprobs(request),
         )
     except SamplingParamsError as error:
-        raise ApiError(400, str(error)) from None
+        param = next((name for name in ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_p",
+                                        "temperature", "seed") if name in str(error)), None)
+        raise ApiError(400, str(error), param) from None
 
 
 def _stream_flags(request: _Request) -> tuple[bool, bool]:
@@ -269,7 +296,7 @@ def _stream_flags(request: _Request) -> tuple[bool, bool]:
     return request.stream, bool(options is not None and options.include_usage)
 
 
-def parse_chat(data: dict, model_name: str, default_max: int) -> GenerationRequest:
+def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | None = None) -> GenerationRequest:
     request = _validated(ChatRequest, data)
     _check_model(request, model_name)
     messages = []
@@ -287,7 +314,7 @@ def parse_chat(data: dict, model_name: str, default_max: int) -> GenerationReque
     thinking, effort = _effort(request.reasoning_effort)
     tools, choice = _tools(request)
     stream, include_usage = _stream_flags(request)
-    return GenerationRequest(model_name, _sampling(request, default_max), stream, include_usage,
+    return GenerationRequest(model_name, _sampling(request, default_max, vocab_size), stream, include_usage,
                              messages=tuple(messages), thinking=thinking, effort=effort, tools=tools,
                              tool_choice=choice)
 
@@ -338,7 +365,8 @@ def parse_completion(data: dict, model_name: str, default_max: int, vocab_size: 
     elif not prompt:
         raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
     stream, include_usage = _stream_flags(request)
-    return GenerationRequest(model_name, _sampling(request, default_max), stream, include_usage, prompt=prompt)
+    return GenerationRequest(model_name, _sampling(request, default_max, vocab_size), stream, include_usage,
+                             prompt=prompt)
 
 
 def _check_model(request: _Request, model_name: str) -> None:
@@ -367,30 +395,53 @@ class ChatAnswer:
     calls (:class:`model.tools.ToolCallStream`). ``push`` returns the stream deltas that
     became certain; the non-streaming response reads the totals."""
 
-    def __init__(self, request: GenerationRequest, think_end: int, dsml: int | None):
-        self.think_end, self.dsml = think_end, dsml
+    def __init__(self, request: GenerationRequest, think_end: int, dsml: int | None,
+                 token_bytes: Callable[[int], bytes] | None = None):
+        """``token_bytes(id)``: a token's bytes, for logprobs."""
+        self.think_end, self.dsml, self.token_bytes = think_end, dsml, token_bytes
         self.in_thinking = request.thinking
         self._reasoning: list[str] | None = [] if request.thinking else None
         self._content: list[str] = []
         self._calls = ToolCallStream() if request.parses_calls else None
+        self.logprobs: list[dict] | None = [] if request.params.logprobs is not None else None
+        self._unsent: list[dict] = []  # logprobs of tokens whose text is not out yet
 
-    def push(self, token_id: int, text: str) -> list[dict]:
+    def push(self, token_id: int, text: str, logprob: float | None = None,
+             top: Sequence[tuple[int, float]] = ()) -> list[dict]:
+        """One generated token (its text from the detokenizer; its logprobs if asked
+        for: the answer's tokens carry them, the reasoning's do not)."""
         if self.in_thinking:
             if token_id == self.think_end:
                 self.in_thinking = False
                 return []
             self._reasoning.append(text)
             return [{"reasoning_content": text}] if text else []
+        if self.logprobs is not None and logprob is not None:
+            entry = {**self._token(token_id, logprob), "top_logprobs": [self._token(t, lp) for t, lp in top]}
+            self.logprobs.append(entry)
+            self._unsent.append(entry)
         if token_id == self.dsml and self.dsml is not None:
             text = DSML  # a special token: the detokenizer skips it
         if self._calls is None:
             self._content.append(text)
-            return [{"content": text}] if text else []
-        return self._deltas(self._calls.push(text))
+            return self._with_logprobs([{"content": text}] if text else [])
+        return self._with_logprobs(self._deltas(self._calls.push(text)))
 
     def finish(self) -> list[dict]:
         """Deltas for whatever was held back (the answer ended)."""
-        return self._deltas(self._calls.finish()) if self._calls is not None else []
+        deltas = self._deltas(self._calls.finish()) if self._calls is not None else []
+        return self._with_logprobs(deltas or ([{}] if self._unsent else []))
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        raw = self.token_bytes(token_id) if self.token_bytes is not None else b""
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _with_logprobs(self, deltas: list[dict]) -> list[dict]:
+        """The logprobs not sent yet ride on the first delta (held-back text: later)."""
+        if deltas and self._unsent:
+            deltas[0] = {**deltas[0], "logprobs": {"content": self._unsent}}
+            self._unsent = []
+        return deltas
 
     def _deltas(self, events) -> list[dict]:
         deltas = []
@@ -427,24 +478,57 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
 
 
 def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, usage_: dict,
-                  calls: list[ToolCall] = ()) -> dict:
+                  calls: list[ToolCall] = (), logprobs: list[dict] | None = None) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [tool_call_json(call) for call in calls]
+    choice = {"index": 0, "message": message, "finish_reason": finish,
+              "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage_}
+            "choices": [choice], "usage": usage_}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, usage_: dict) -> dict:
+class CompletionLogprobs:
+    """The completions API's (legacy) logprobs: per token its text, logprob, the top
+    alternatives as {text: logprob}, and its offset in the returned text."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]):
+        self.token_bytes = token_bytes
+        self.offset = 0
+
+    def entry(self, token_id: int, text: str, logprob: float, top: Sequence[tuple[int, float]]) -> dict:
+        """One token's logprobs (``text``: what it added to the returned text)."""
+        def spell(token: int) -> str:
+            return self.token_bytes(token).decode("utf-8", errors="replace")
+
+        entry = {"tokens": [spell(token_id)], "token_logprobs": [logprob],
+                 "top_logprobs": [{spell(t): lp for t, lp in top}], "text_offset": [self.offset]}
+        self.offset += len(text)
+        return entry
+
+    @staticmethod
+    def merge(entries: list[dict]) -> dict:
+        return {key: [value for entry in entries for value in entry[key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, usage_: dict,
+                        logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": usage_}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}], "usage": usage_}
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, usage_: dict | None = None) -> dict:
+    """A streamed chat chunk; a ``logprobs`` key of ``delta`` goes to its choice."""
+    choices = []
+    if delta is not None:
+        delta = dict(delta)
+        logprobs = delta.pop("logprobs", None)
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else []}
+             "choices": choices}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
@@ -459,10 +543,11 @@ def chat_chunks(rid: str, model: str, deltas: list[dict], finish: str | None) ->
             for index, delta in enumerate(deltas)]
 
 
-def completion_chunk(rid: str, model: str, text: str | None, finish: str | None, usage_: dict | None = None) -> dict:
+def completion_chunk(rid: str, model: str, text: str | None, finish: str | None, usage_: dict | None = None,
+                     logprobs: dict | None = None) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}] if text is not None
-             else []}
+             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]
+             if text is not None else []}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk

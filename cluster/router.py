@@ -404,7 +404,8 @@ class Router:
             # A big body is parsed off the event loop, so other clients' tokens keep flowing.
             data = api.parse_json(body) if len(body) < 65536 else await asyncio.to_thread(api.parse_json, body)
             if chat:
-                parsed = api.parse_chat(data, self.config.model_name, self.config.max_tokens_default)
+                parsed = api.parse_chat(data, self.config.model_name, self.config.max_tokens_default,
+                                        self.model_config.text.vocab_size)
             else:
                 parsed = api.parse_completion(data, self.config.model_name, self.config.max_tokens_default,
                                               self.model_config.text.vocab_size)
@@ -454,9 +455,10 @@ class Router:
         usage = api.usage(len(tokens), len(result["tokens"]), result["cached"])
         if chat:
             body = api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
-                                     result["finish"], usage, result["calls"])
+                                     result["finish"], usage, result["calls"], result["logprobs"])
         else:
-            body = api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage)
+            body = api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage,
+                                           result["logprobs"])
         # Time the replicas spent computing the first token (prefill, replay, sample), and
         # where the rest of the request's time went (Server-Timing, milliseconds).
         marks.update(result["timeline"], router_out=time.time())
@@ -525,28 +527,37 @@ class Router:
     async def _collect(self, stream, request: api.GenerationRequest, start: float) -> dict:
         tokens, cached, finish, replica_s = [], 0, "stop", 0.0
         ttft, timeline, prefilled_by = None, {}, ""
-        answer = api.ChatAnswer(request, self.think_end, self.dsml)
+        answer = api.ChatAnswer(request, self.think_end, self.dsml, self.tokenizer.token_bytes)
+        completion = api.CompletionLogprobs(self.tokenizer.token_bytes) \
+            if request.prompt is not None and request.params.logprobs is not None else None
+        entries = []
         async for event in stream:
             if "cached_tokens" in event:
                 cached, replica_s, prefilled_by = event["cached_tokens"], event["replica_s"], event["prefilled_by"]
                 timeline = {**event["timeline"], "first_token": time.time()}
                 ttft = time.perf_counter() - start
             tokens.append(event["token_id"])
-            answer.push(event["token_id"], event["text"])
+            answer.push(event["token_id"], event["text"], event.get("logprob"), event.get("top_logprobs", ()))
+            if completion is not None and event.get("logprob") is not None:
+                entries.append(completion.entry(event["token_id"], event["text"], event["logprob"],
+                                                event["top_logprobs"]))
             if event["finish_reason"]:
                 finish = event["finish_reason"]
                 break  # the request's last token: do not wait for the stream to close
         answer.finish()
         if request.messages:
             self._remember(answer, tokens)
+        logprobs = completion.merge(entries) if completion is not None else answer.logprobs
         return {"tokens": tokens, "content": answer.content, "reasoning": answer.reasoning, "calls": answer.calls,
-                "cached": cached, "finish": answer.finish_reason(finish), "replica_s": replica_s, "ttft": ttft,
+                "logprobs": logprobs, "cached": cached, "finish": answer.finish_reason(finish), "replica_s": replica_s, "ttft": ttft,
                 "timeline": timeline, "prefilled_by": prefilled_by}
 
     async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool, start: float):
         model, prompt_tokens, cached, tokens, ttft = self.config.model_name, 0, 0, [], None
         endpoint = "chat" if chat else "completions"
-        answer = api.ChatAnswer(request, self.think_end, self.dsml) if chat else None
+        answer = api.ChatAnswer(request, self.think_end, self.dsml, self.tokenizer.token_bytes) if chat else None
+        completion = api.CompletionLogprobs(self.tokenizer.token_bytes) \
+            if not chat and request.params.logprobs is not None else None
         try:
             if chat:
                 yield api.sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
@@ -556,10 +567,14 @@ class Router:
                     ttft = time.perf_counter() - start
                 tokens.append(event["token_id"])
                 finish = event["finish_reason"]
+                logprob, top = event.get("logprob"), event.get("top_logprobs", ())
                 if answer is None:
-                    yield api.sse(api.completion_chunk(rid, model, event["text"], finish))
+                    logprobs = completion.entry(event["token_id"], event["text"], logprob, top) \
+                        if completion is not None and logprob is not None else None
+                    yield api.sse(api.completion_chunk(rid, model, event["text"], finish, logprobs=logprobs))
                 else:
-                    deltas = answer.push(event["token_id"], event["text"]) + (answer.finish() if finish else [])
+                    deltas = answer.push(event["token_id"], event["text"], logprob, top) + \
+                        (answer.finish() if finish else [])
                     finish = answer.finish_reason(finish) if finish else None
                     for chunk in api.chat_chunks(rid, model, deltas, finish):
                         yield api.sse(chunk)

@@ -140,6 +140,7 @@ class Tokenizer:
         self._plain.encode_special_tokens = True
         self._decoder = tokenizers.Tokenizer.from_str(tokenizer_json)
         self.fingerprint = hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()[:16]
+        self._added = frozenset(self._decoder.get_added_tokens_decoder())
         self.vocab_size = self._decoder.get_vocab_size(with_added_tokens=True)
 
         if noise_token_id is not None and not 0 <= noise_token_id < self.vocab_size:
@@ -180,6 +181,18 @@ class Tokenizer:
         """Ids of ``text`` as plain text (no BOS, special-token spellings not recognised)."""
         return self._plain.encode(text, add_special_tokens=False).ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its spelling in UTF-8)."""
+        token = self._decoder.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"no token {token_id} in a vocabulary of {self.vocab_size}")
+        if token_id in self._added:
+            return token.encode("utf-8")
+        try:  # byte-level BPE spells each byte as one printable character
+            return bytes(_UNICODE_TO_BYTE[char] for char in token)
+        except KeyError:
+            return token.encode("utf-8")
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; byte sequences that are not valid UTF-8 become U+FFFD."""
         return self._decoder.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -187,6 +200,22 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh streaming detokenizer over this vocabulary."""
         return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable character for each byte (GPT-2's table), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _byte_level_alphabet()
 
 
 def _config_token(config: dict, key: str, default: str) -> str:

@@ -44,9 +44,12 @@ def test_a_chat_request_becomes_a_generation_request():
      "parallel_tool_calls", "only true"),
     ({"reasoning_effort": "huge"}, "reasoning_effort", "unknown reasoning_effort"),
     ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
-    ({"logprobs": True}, "logprobs", "logprobs is not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias is not supported"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "0..20"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "frequency_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias"),
+    ({"logit_bias": {"a": 1}}, "logit_bias", "not a token id"),
     ({"n": 3}, "n", "only n=1"),
     ({"temperature": "hot"}, "temperature", "temperature"),
     ({"temperature": True}, "temperature", "temperature"),
@@ -54,7 +57,7 @@ def test_a_chat_request_becomes_a_generation_request():
     ({"max_tokens": 2.5}, "max_tokens", "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "stop"),
     ({"stream": "yes"}, "stream", "stream"),
-    ({"top_p": 7}, None, "top_p"),
+    ({"top_p": 7}, "top_p", "top_p"),
 ])
 def test_a_parameter_is_implemented_or_refused_by_name(extra, param, words):
     with pytest.raises(ApiError, match=words) as caught:
@@ -89,9 +92,21 @@ def test_completions_take_text_or_ids_in_the_vocabulary():
     for prompt in ([1, 100], [], "", [True]):
         with pytest.raises(ApiError, match="prompt"):
             parse_completion({"model": MODEL, "prompt": prompt}, MODEL, 8, 100)
-    for extra in ({"echo": True}, {"best_of": 2}, {"suffix": "x"}, {"logprobs": 2}):
+    for extra in ({"echo": True}, {"best_of": 2}, {"suffix": "x"}):
         with pytest.raises(ApiError, match="not supported"):
             parse_completion({"model": MODEL, "prompt": "x", **extra}, MODEL, 8, 100)
+    assert parse_completion({"model": MODEL, "prompt": "x", "logprobs": 2}, MODEL, 8, 100).params.logprobs == 2
+    for extra in ({"logprobs": 6}, {"logit_bias": {"100": 1}}):
+        with pytest.raises(ApiError, match="logprobs|vocabulary"):
+            parse_completion({"model": MODEL, "prompt": "x", **extra}, MODEL, 8, 100)
+
+
+def test_penalties_bias_and_logprobs_reach_the_sampling_parameters():
+    params = _chat(presence_penalty=0.5, frequency_penalty=-1, logit_bias={"5": -100, "7": 2.5}, logprobs=True,
+                   top_logprobs=3).params
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.0)
+    assert params.logit_bias == ((5, -100.0), (7, 2.5)) and params.logprobs == 3
+    assert _chat(logprobs=True).params.logprobs == 0 and _chat().params.logprobs is None
 
 
 @pytest.mark.parametrize("body, words", [

@@ -208,3 +208,39 @@ def test_length_finish_releases_held_text() -> None:
     last = StopChecker(SamplingParams(stop=("END",), max_tokens=2))
     last.feed(0, "EN")
     assert last.feed(1, "D").finish_reason == "stop" and last.output_text == ""
+
+
+def test_penalties_and_bias_follow_openais_formula():
+    """logit - frequency * count - presence * [count > 0] + bias, counting the tokens
+    generated so far and, row by row, the continuation before the row."""
+    from model.runtime.sampling import shape_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10)
+    params = SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4, logit_bias=((2, 5.0), (9, -100.0)))
+    generated, continuation = [4, 4, 1], [4, 7]
+    shaped = shape_logits(logits, params, generated, continuation)
+    for row in range(3):
+        seen = generated + continuation[:row]
+        for token in range(10):
+            count = seen.count(token)
+            expected = float(logits[row, token]) - 0.7 * count + 0.4 * (count > 0) + {2: 5.0, 9: -100.0}.get(token, 0)
+            assert float(shaped[row, token]) == pytest.approx(expected, abs=1e-5)
+    assert shape_logits(logits, SamplingParams(), generated) is logits  # nothing to do, nothing copied
+
+
+@pytest.mark.parametrize("bad", [{"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logit_bias": ((1, 101),)},
+                                 {"logprobs": 21}, {"logprobs": -1}])
+def test_penalty_bias_and_logprobs_ranges(bad):
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(**bad)
+
+
+def test_token_logprobs_are_the_log_softmax_and_its_top():
+    from model.runtime.sampling import token_logprobs
+
+    logits = torch.tensor([1.0, 3.0, 3.0, -2.0])
+    logprob, top = token_logprobs(logits, 0, 2)
+    reference = logits.log_softmax(-1)
+    assert logprob == pytest.approx(float(reference[0]))
+    assert [t for t, _ in top] == [1, 2] and top[0][1] == pytest.approx(float(reference[1]))

@@ -86,6 +86,42 @@ def test_a_tool_loop_with_the_sdk_stays_cached_turn_after_turn(client):
             messages.append({"role": "user", "content": f"and tomorrow? ({turn})"})
 
 
+def test_logprobs_penalties_and_bias_through_the_sdk(client):
+    messages = [{"role": "user", "content": "def fibonacci(n):\n"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    entries = plain.choices[0].logprobs.content
+    assert len(entries) == 8 and "".join(e.token for e in entries) == plain.choices[0].message.content
+    for entry in entries:  # greedy: each token is its step's most likely, listed first
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob == pytest.approx(
+            entry.top_logprobs[0].logprob) and len(entry.top_logprobs) == 3 and entry.logprob <= 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+
+    # A bias of -100 on the greedy first token: another one comes first.
+    first_id = client.completions.create(model=MODEL, prompt="def fibonacci(n):\n", max_tokens=1, temperature=0,
+                                         logprobs=1)
+    assert first_id.choices[0].logprobs.tokens[0] == first_id.choices[0].text
+    assert first_id.choices[0].logprobs.top_logprobs[0] == {first_id.choices[0].text: pytest.approx(
+        first_id.choices[0].logprobs.token_logprobs[0])}
+    tokenizer = Tokenizer.from_dir(GOLDEN)
+    banned = tokenizer.encode(entries[0].token)
+    assert len(banned) == 1  # the token's text encodes back to the token
+    biased = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                            logit_bias={str(banned[0]): -100}, logprobs=True)
+    assert biased.choices[0].logprobs.content[0].token != entries[0].token
+    # A strong frequency penalty: no token repeats in greedy output... unless every other is worse.
+    repeated = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a a a a a a"}],
+                                              max_tokens=12, temperature=0, frequency_penalty=2.0, logprobs=True)
+    plain_repeat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a a a a a a"}],
+                                                  max_tokens=12, temperature=0, logprobs=True)
+    tokens = [e.token for e in repeated.choices[0].logprobs.content]
+    plain_tokens = [e.token for e in plain_repeat.choices[0].logprobs.content]
+    assert len(set(tokens)) > len(set(plain_tokens)), (tokens, plain_tokens)
+
+
 def test_chat_streaming_equals_plain_and_counts_usage(client):
     messages = [{"role": "user", "content": "class Queue:\n    def put(self, item):"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0)

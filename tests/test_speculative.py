@@ -407,3 +407,41 @@ def test_bench_lockstep_runs_every_mode_as_if_alone(tiny):
         alone.step()
     assert runs["k=2"].metrics.passes == alone.metrics.passes
     assert runs["k=2"].metrics.verified == alone.metrics.verified
+
+
+def _events(batcher, prompts, params):
+    out = {str(i): [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        out[str(i)].append(batcher.add(str(i), params, prompt=prompt))
+    while batcher.running:
+        for event in batcher.step():
+            out[event.request_id].append(event)
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def test_penalties_bias_and_logprobs_are_the_same_with_speculation(tiny):
+    """A verify pass scores each guess after the guesses before it: the penalties count
+    them, so speculative greedy equals plain greedy under penalties and a bias, and each
+    token's logprobs agree (a verify pass and a decode step compute the logits in a
+    different order: to the 2e-3 this file allows next-token logits)."""
+    engine, drafter = tiny
+    prompts = [_tokens(n, 70 + n) for n in (33, 57)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
+                            logit_bias=((11, 100.0), (12, -100.0)), logprobs=3)
+    plain = _events(Batcher(engine, max_batch=2), prompts, params)
+    tokens = [[e.token_id for e in events] for events in plain]
+    unshaped = [[e.token_id for e in events] for events in _events(Batcher(engine, max_batch=2), prompts,
+                                                                    SamplingParams(temperature=0.0, max_tokens=12))]
+    assert tokens != unshaped  # the shaping changed what greedy picks
+    assert all(12 not in row for row in tokens)  # banned
+    oracle = _Oracle(drafter, engine, {str(i): row for i, row in enumerate(tokens)}, seed=3)
+    batcher = Batcher(engine, max_batch=2, speculation=Speculation(oracle, "fixed", k=3))
+    oracle.batcher = batcher
+    speculative = _events(batcher, prompts, params)
+    assert [[e.token_id for e in events] for events in speculative] == tokens
+    assert batcher.metrics.accepted > 0
+    for a_row, b_row in zip(plain, speculative):
+        for a, b in zip(a_row, b_row):
+            assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs] and len(a.top_logprobs) == 3
+            assert a.logprob <= a.top_logprobs[0][1] + 1e-6

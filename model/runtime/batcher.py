@@ -28,7 +28,7 @@ import torch
 from ..chat import Tokenizer
 from .cache import SequenceCache
 from .engine import DecoderInput, Engine
-from .sampling import SamplingParams, StopChecker, make_generator, sample
+from .sampling import SamplingParams, StopChecker, make_generator, sample, shape_logits
 from .sequence import Sequence, TokenEvent
 from .speculative import MODES, SpecMetrics, SpeculativeDrafter, StepCost, accept_tokens, schedule
 
@@ -138,10 +138,11 @@ class Batcher:
         extend, lo = [], 0
         for i, r in enumerate(batch):
             q = drafted.q[i] if drafted.q is not None and not r.params.greedy else None
-            m, tokens = accept_tokens(logits[i], guesses[i][: lengths[i]], r.params, r.generator, q)
+            shaped = shape_logits(logits[i], r.params, r.tokens, guesses[i][: lengths[i]])
+            m, tokens = accept_tokens(shaped, guesses[i][: lengths[i]], r.params, r.generator, q)
             kept, done = 0, False
-            for token in tokens:
-                event = r.feed(token)
+            for position, token in enumerate(tokens):
+                event = r.feed(token, logits[i][position])
                 events.append(event)
                 kept += 1
                 if event.finish_reason is not None:
@@ -181,7 +182,9 @@ class Batcher:
         self.running.pop(request_id, None)
 
     def _emit(self, running: Sequence, logits: torch.Tensor) -> TokenEvent:
-        event = running.feed(int(sample(logits, [running.params], [running.generator])[0]))
+        """Sample ``running``'s next token from ``logits`` [1, V] and record it."""
+        shaped = shape_logits(logits, running.params, running.tokens)
+        event = running.feed(int(sample(shaped, [running.params], [running.generator])[0]), logits[0])
         if event.finish_reason is not None:
             self._finish(running)
         return event

@@ -39,6 +39,13 @@ class SamplingParams:
     max_tokens: generated tokens at most (finish reason "length").
     stop_token_ids: ids that end generation (finish reason "stop"), besides EOS.
     stop: strings that end generation; the output text stops before them.
+    presence_penalty, frequency_penalty: OpenAI's: a token's logit is lowered by
+        ``presence`` once it was generated and by ``frequency`` times the number of
+        times it was (in this request's output, not its prompt), in [-2, 2].
+    logit_bias: (token id, bias in [-100, 100]) pairs added to the logits.
+    logprobs: None, or how many most likely alternatives (0-20) to report with each
+        token's log-probability (under the model's own distribution: the logits
+        before penalties, bias, temperature and truncation).
     """
 
     temperature: float = 1.0
@@ -48,10 +55,25 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default=())
     stop: tuple[str, ...] = field(default=())
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from JSON requests but store tuples: the object is frozen and hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                raise SamplingParamsError(f"{name} must be a number in [-2, 2], got {value!r}")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -100 <= bias <= 100:
+                raise SamplingParamsError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got "
+                                          f"{token_id}: {bias}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise SamplingParamsError(f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise SamplingParamsError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -74,6 +96,47 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request takes the argmax."""
         return self.temperature == 0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether penalties or a bias change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+def shape_logits(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
+                 continuation: Sequence[int] = ()) -> torch.Tensor:
+    """``logits`` [n, V] with ``params``' bias and penalties applied: row ``j`` is the
+    next token's after ``generated`` and the first ``j`` tokens of ``continuation``
+    (the guesses a verify pass scores). The input is not changed."""
+    if not params.shapes_logits:
+        return logits
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
+        if int(ids.max()) >= vocab:
+            raise SamplingParamsError(f"logit_bias names token {int(ids.max())}; the vocabulary has {vocab}")
+        logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=logits.device)
+    if params.presence_penalty or params.frequency_penalty:
+        counts = torch.zeros(vocab, device=logits.device)
+        if generated:
+            counts.index_add_(0, torch.tensor(list(generated), device=logits.device), torch.ones(len(generated)))
+        for row in range(logits.shape[0]):
+            if row:
+                counts[continuation[row - 1]] += 1
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The log-probability of ``token`` under ``logits`` [V] (the model's distribution)
+    and the ``top`` most likely tokens with theirs (ties to the lower id)."""
+    logp = logits.float().log_softmax(dim=-1)
+    alternatives = ()
+    if top:
+        values, ids = logp.sort(descending=True, stable=True)
+        alternatives = tuple(zip(ids[:top].tolist(), values[:top].tolist()))
+    return float(logp[token]), alternatives
 
 
 def _is_int(value: object) -> bool:

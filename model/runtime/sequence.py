@@ -14,7 +14,7 @@ import torch
 
 from ..chat import IncrementalDetokenizer
 from .cache import SequenceCache
-from .sampling import SamplingParams, StopChecker
+from .sampling import SamplingParams, StopChecker, token_logprobs
 from .speculative import DraftContext
 
 
@@ -26,6 +26,8 @@ class TokenEvent:
     token_id: int
     text: str
     finish_reason: str | None = None
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -47,11 +49,15 @@ class Sequence:
         """Tokens it may still emit after the next one (its length limit)."""
         return max(0, self.params.max_tokens - len(self.tokens) - 1)
 
-    def feed(self, token: int) -> TokenEvent:
-        """Record one generated token and check the stop conditions."""
+    def feed(self, token: int, logits: torch.Tensor | None = None) -> TokenEvent:
+        """Record one generated token and check the stop conditions. ``logits`` [V]:
+        the model's logits the token was drawn under (for its logprobs, if asked)."""
         self.tokens.append(token)
         text = self.detokenizer.push(token) if self.detokenizer is not None else ""
         update = self.stop.feed(token, text)
         if update.finish_reason == "length" and self.detokenizer is not None:
             update = type(update)(update.text + self.detokenizer.flush(), update.finish_reason)
-        return TokenEvent(self.request_id, token, update.text, update.finish_reason)
+        logprob, top = None, ()
+        if self.params.logprobs is not None and logits is not None:
+            logprob, top = token_logprobs(logits, token, self.params.logprobs)
+        return TokenEvent(self.request_id, token, update.text, update.finish_reason, logprob, top)
