@@ -50,11 +50,21 @@ class GenerationRequest:
     thinking: bool = False
     effort: int | None = None
     tools: tuple[dict, ...] = ()  # the ``function`` objects the model may call
-    tool_choice: str = "auto"  # "auto" (the answer's calls are parsed) or "none" (they are not)
+    # "auto" (the answer's calls are parsed), "none" (they are not), "required" (the
+    # answer is calls, by grammar), or "function" (a call of ``tool_name``, by grammar).
+    tool_choice: str = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    # None, or the JSON the answer must be: {"schema": ...} (None: any object).
+    response_format: dict | None = None
 
     @property
     def parses_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_calls(self) -> bool:
+        return self.tool_choice in ("required", "function")
 
 
 # OpenAI's reasoning_effort names on V4.1's dial (1-100). The released encoder names three
@@ -169,6 +179,18 @@ class _NamedChoice(_Schema):
     function: _Name
 
 
+class _JsonSchema(_Schema):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class _ResponseFormat(_Schema):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+
 class _Message(_Schema):
     role: str
     content: str | list[_TextPart] | None = None
@@ -205,6 +227,7 @@ class ChatRequest(_Request):
     tools: list[_Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | _NamedChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    response_format: _ResponseFormat | None = None
 
 
 class CompletionRequest(_Request):
@@ -312,11 +335,29 @@ def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | 
         except ValueError as error:
             raise ApiError(400, f"messages[{i}]: {error}", "messages") from None
     thinking, effort = _effort(request.reasoning_effort)
-    tools, choice = _tools(request)
+    tools, choice, name = _tools(request)
+    response_format = _response_format(request, choice)
     stream, include_usage = _stream_flags(request)
     return GenerationRequest(model_name, _sampling(request, default_max, vocab_size), stream, include_usage,
                              messages=tuple(messages), thinking=thinking, effort=effort, tools=tools,
-                             tool_choice=choice)
+                             tool_choice=choice, tool_name=name,
+                             parallel_tool_calls=request.parallel_tool_calls is not False,
+                             response_format=response_format)
+
+
+def _response_format(request: ChatRequest, choice: str) -> dict | None:
+    """{"schema": ...} for a JSON answer (None: any JSON object), None for text."""
+    form = request.response_format
+    if form is None or form.type == "text":
+        return None
+    if request.tools and choice != "none":
+        raise ApiError(400, "response_format: a JSON answer and tool calls exclude each other; set tool_choice "
+                            "to 'none' or leave out response_format", "response_format")
+    if form.type == "json_object":
+        return {"schema": None}
+    if form.json_schema is None:
+        raise ApiError(400, "response_format.json_schema is required with type json_schema", "response_format")
+    return {"schema": form.json_schema.schema_ if form.json_schema.schema_ is not None else {}}
 
 
 def _effort(name: str | None) -> tuple[bool, int | None]:
@@ -329,9 +370,9 @@ def _effort(name: str | None) -> tuple[bool, int | None]:
     return True, OPENAI_EFFORT[name]
 
 
-def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str]:
+def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str, str | None]:
     """The tools' ``function`` objects as the system block lists them (name, description,
-    parameters: the released encoder's order), and the tool choice."""
+    parameters: the released encoder's order), the tool choice, and the named tool."""
     functions = tuple({key: value for key, value in (("name", tool.function.name),
                                                      ("description", tool.function.description),
                                                      ("parameters", tool.function.parameters)) if value is not None}
@@ -339,19 +380,22 @@ def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str]:
     names = [function["name"] for function in functions]
     if len(set(names)) != len(names):
         raise ApiError(400, "tools: two tools have the same name", "tools")
-    if any(tool.function.strict for tool in request.tools or ()):
-        raise ApiError(400, "tools[].function.strict: strict schemas need constrained decoding, which this server "
-                            "does not do yet", "tools")
-    choice = request.tool_choice
-    if isinstance(choice, _NamedChoice) or choice == "required":
-        raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (a required or named call needs "
-                            "constrained decoding, which this server does not do yet)", "tool_choice")
-    if choice is not None and not functions:
+    choice, name = request.tool_choice or "auto", None
+    if choice is not None and request.tool_choice is not None and not functions:
         raise ApiError(400, "tool_choice is set but no tools are given", "tool_choice")
-    if request.parallel_tool_calls is False:
-        raise ApiError(400, "parallel_tool_calls: only true is supported (the model may call several tools in a "
-                            "turn)", "parallel_tool_calls")
-    return functions, choice or "auto"
+    if isinstance(choice, _NamedChoice):
+        choice, name = "function", choice.function.name
+        if name not in names:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    forced = choice in ("required", "function")
+    # Enforced only where the answer is decoded under the tools' grammar: a forced call.
+    if not forced and any(tool.function.strict for tool in request.tools or ()):
+        raise ApiError(400, "tools[].function.strict is enforced only with tool_choice 'required' or a named "
+                            "function (with 'auto' the model may answer in text)", "tools")
+    if not forced and request.parallel_tool_calls is False and functions:
+        raise ApiError(400, "parallel_tool_calls: false is enforced only with tool_choice 'required' or a named "
+                            "function", "parallel_tool_calls")
+    return functions, choice, name
 
 
 def parse_completion(data: dict, model_name: str, default_max: int, vocab_size: int) -> GenerationRequest:

@@ -31,6 +31,7 @@ from actors.replica import ModelIdentity, prompt_gil_handoff
 from cluster import openai_api as api
 from cluster.config import AppConfig
 from cluster.routing import NodeLoad
+from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, tool_call_grammar
 
 # A request's trip, mark to mark: (Server-Timing name, from, to).
 _STAGES = (
@@ -198,6 +199,7 @@ class Router:
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
         self.think_end = self.tokenizer.special.think_end
         self.dsml = self.tokenizer.special.dsml  # a special token: its text is put back for the parser
+        self.grammars: GrammarCompiler | None = None  # built at the first constrained request
         self.engram, self.hasher = None, None
         if config.engram_shards:
             import ray
@@ -269,6 +271,26 @@ class Router:
                                         tools=request.tools)
         except ValueError as error:
             raise api.ApiError(400, str(error), "messages") from None
+
+    def _constrained(self, request: api.GenerationRequest) -> api.GenerationRequest:
+        """The request with the grammar its answer must follow (a forced tool call, or
+        JSON), checked here so that a schema the engine cannot compile is a 400."""
+        if request.forces_calls:
+            grammar = tool_call_grammar(request.tools, request.tool_name, request.parallel_tool_calls, self.dsml)
+            param = "tools"
+        elif request.response_format is not None:
+            grammar, param = json_grammar(request.response_format["schema"]), "response_format"
+        else:
+            return request
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer.json, self.tokenizer.vocab_size, self.tokenizer.special.eos)
+        try:
+            self.grammars.check(grammar)
+        except GrammarError as error:
+            raise api.ApiError(400, f"{param}: the schema cannot be enforced: {error}", param) from None
+        params = dataclasses.replace(request.params, grammar=grammar,
+                                     grammar_after=self.think_end if request.thinking else None)
+        return dataclasses.replace(request, params=params)
 
     def _remember(self, answer: api.ChatAnswer, tokens: list[int]) -> None:
         self.answers[_answer_key(answer.reasoning, answer.content, answer.calls)] = tuple(tokens)
@@ -409,6 +431,7 @@ class Router:
             else:
                 parsed = api.parse_completion(data, self.config.model_name, self.config.max_tokens_default,
                                               self.model_config.text.vocab_size)
+            parsed = self._constrained(parsed)
             tokens = self._render(parsed)
             rid = api.new_id("chatcmpl" if chat else "cmpl")
             stream, fallback = await self._events(parsed, tokens, rid, marks)

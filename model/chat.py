@@ -141,6 +141,7 @@ class Tokenizer:
         self._decoder = tokenizers.Tokenizer.from_str(tokenizer_json)
         self.fingerprint = hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()[:16]
         self._added = frozenset(self._decoder.get_added_tokens_decoder())
+        self.json = tokenizer_json  # for the grammar engine's byte tables
         self.vocab_size = self._decoder.get_vocab_size(with_added_tokens=True)
 
         if noise_token_id is not None and not 0 <= noise_token_id < self.vocab_size:

@@ -35,15 +35,16 @@ def test_a_chat_request_becomes_a_generation_request():
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools", "strict"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", "same name"),
     ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools", "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice",
-     "constrained decoding"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "constrained decoding"),
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not among"),
     ({"tool_choice": "auto"}, "tool_choice", "no tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": False},
-     "parallel_tool_calls", "only true"),
+     "parallel_tool_calls", "enforced only"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+     "response_format", "exclude each other"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "response_format"),
     ({"reasoning_effort": "huge"}, "reasoning_effort", "unknown reasoning_effort"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "0..20"),
     ({"presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
@@ -224,3 +225,18 @@ def test_streamed_tool_calls_assemble_in_the_openai_sdk(thinking):
     assert body["choices"][0]["message"]["content"] == message.content
     assert [c["function"]["name"] for c in body["choices"][0]["message"]["tool_calls"]] == ["get_weather"] * 2
     assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_forced_calls_and_json_answers_are_parsed():
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "object"}}}
+    named = _chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}},
+                  parallel_tool_calls=False)
+    assert (named.tool_choice, named.tool_name, named.parallel_tool_calls) == ("function", "f", False)
+    assert named.forces_calls and named.parses_calls
+    assert _chat(tools=[tool], tool_choice="required").forces_calls
+    assert _chat(response_format={"type": "json_object"}).response_format == {"schema": None}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                          "strict": True}}).response_format == {
+        "schema": schema}
+    assert _chat(response_format={"type": "text"}).response_format is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Literal
 import urllib.error
 import urllib.request
 
@@ -120,6 +121,50 @@ def test_logprobs_penalties_and_bias_through_the_sdk(client):
     tokens = [e.token for e in repeated.choices[0].logprobs.content]
     plain_tokens = [e.token for e in plain_repeat.choices[0].logprobs.content]
     assert len(set(tokens)) > len(set(plain_tokens)), (tokens, plain_tokens)
+
+
+def test_structured_outputs_and_forced_calls_through_the_sdk(client):
+    """The small model does not call tools or write JSON by itself: constrained decoding
+    makes every answer here well formed, streamed or not."""
+    import pydantic
+
+    class Point(pydantic.BaseModel):
+        x: int = pydantic.Field(ge=0, le=99)
+        label: Literal["a", "b"]
+        ok: bool
+
+    messages = [{"role": "user", "content": "def distance(p, q):\n"}]
+    # (With thinking on, the grammar starts after </think>: test_grammar.py; the small
+    # model was not trained to reason, so it would not get there.)
+    parsed = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Point, max_tokens=300,
+                                           temperature=0)
+    assert isinstance(parsed.choices[0].message.parsed, Point), parsed.choices[0].message.content
+    anything = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=0.7,
+                                              seed=1, response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+    weather = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {
+            "type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"],
+        "additionalProperties": False}}}
+    clock = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}
+    # One call: this untrained model, free to add calls, repeats the same one to the end.
+    forced = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=0,
+                                            tools=[weather, clock], tool_choice="required", parallel_tool_calls=False)
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert forced.choices[0].message.tool_calls and all(
+        call.function.name in ("get_weather", "clock") for call in forced.choices[0].message.tool_calls)
+    with client.chat.completions.stream(model=MODEL, messages=messages, max_tokens=300, temperature=0.9, seed=2,
+                                        tools=[weather], parallel_tool_calls=False,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}}) as s:
+        final = s.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    arguments = json.loads(calls[0].function.arguments)
+    assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=MODEL, messages=messages, response_format=bad)
 
 
 def test_chat_streaming_equals_plain_and_counts_usage(client):

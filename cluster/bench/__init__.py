@@ -20,6 +20,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "spec": ("cluster.bench.spec", "DSpark speculative decoding against plain, the scheduler against fixed k"),
     "agents": ("cluster.bench.agents", "agent sessions on several raylets, routing policies side by side"),
     "load": ("cluster.bench.load", "many streaming clients in a closed loop: answered, failed, queue wait, TTFT"),
+    "grammar": ("cluster.bench.grammar", "constrained decoding's cost per decode step at batch 16, plain and DSpark"),
 }
 
 

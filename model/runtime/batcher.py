@@ -28,6 +28,7 @@ import torch
 from ..chat import Tokenizer
 from .cache import SequenceCache
 from .engine import DecoderInput, Engine
+from .grammar import Constraint, GrammarCompiler, apply_masks
 from .sampling import SamplingParams, StopChecker, make_generator, sample, shape_logits
 from .sequence import Sequence, TokenEvent
 from .speculative import MODES, SpecMetrics, SpeculativeDrafter, StepCost, accept_tokens, schedule
@@ -69,6 +70,7 @@ class Batcher:
         self.speculation = speculation
         self.metrics = SpecMetrics()
         self.running: dict[str, Sequence] = {}
+        self._grammars: GrammarCompiler | None = None  # built at the first request with a grammar
 
     def can_add(self) -> bool:
         return len(self.running) < self.max_batch
@@ -91,12 +93,14 @@ class Batcher:
             inputs = self.engine.prefill(cache, prompt)
         drafter = self.speculation.drafter if self.speculation is not None else None
         tap = drafter.tap() if drafter is not None else None
+        constraint = self._constraint(params)
         logits = self.engine.replay(cache, inputs, tap=tap)
         running = Sequence(
             request_id, cache, params,
             None if params.greedy else make_generator(params, logits.device),
             StopChecker(params, self.eos_token_ids),
             self.tokenizer.detokenizer() if self.tokenizer is not None else None,
+            constraint=constraint,
         )
         if tap is not None:
             features = tap.features()
@@ -104,6 +108,17 @@ class Batcher:
             running.context = drafter.extend([None], [features], [positions])[0]
         self.running[request_id] = running
         return self._emit(running, logits[None])
+
+    def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """A fresh position in the request's grammar (None without one)."""
+        if params.grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("a grammar needs the batcher's tokenizer")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.json, self.tokenizer.vocab_size, self.tokenizer.special.eos)
+        vocab = self.engine.model.embed.weight.shape[0]
+        return self._grammars.constraint(params.grammar, vocab, params.grammar_after)
 
     def step(self) -> list[TokenEvent]:
         """One decode step for every running request: one new token each, or in
@@ -139,6 +154,8 @@ class Batcher:
         for i, r in enumerate(batch):
             q = drafted.q[i] if drafted.q is not None and not r.params.greedy else None
             shaped = shape_logits(logits[i], r.params, r.tokens, guesses[i][: lengths[i]])
+            if r.constraint is not None:  # a guess outside the grammar has probability 0: rejected
+                shaped = apply_masks(shaped, r.constraint.masks_along(guesses[i][: lengths[i]]))
             m, tokens = accept_tokens(shaped, guesses[i][: lengths[i]], r.params, r.generator, q)
             kept, done = 0, False
             for position, token in enumerate(tokens):
@@ -184,6 +201,8 @@ class Batcher:
     def _emit(self, running: Sequence, logits: torch.Tensor) -> TokenEvent:
         """Sample ``running``'s next token from ``logits`` [1, V] and record it."""
         shaped = shape_logits(logits, running.params, running.tokens)
+        if running.constraint is not None:
+            shaped = apply_masks(shaped, [running.constraint.mask()])
         event = running.feed(int(sample(shaped, [running.params], [running.generator])[0]), logits[0])
         if event.finish_reason is not None:
             self._finish(running)

@@ -46,6 +46,9 @@ class SamplingParams:
     logprobs: None, or how many most likely alternatives (0-20) to report with each
         token's log-probability (under the model's own distribution: the logits
         before penalties, bias, temperature and truncation).
+    grammar: a Lark grammar (llguidance's dialect) the answer must follow
+        (:mod:`model.runtime.grammar`); ``grammar_after``: the token after which it
+        applies (``</think>`` when the model reasons first), None: from the start.
     """
 
     temperature: float = 1.0
@@ -59,6 +62,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     logprobs: int | None = None
+    grammar: str | None = None
+    grammar_after: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from JSON requests but store tuples: the object is frozen and hashable.

@@ -15,6 +15,7 @@ import torch
 from ..chat import IncrementalDetokenizer
 from .cache import SequenceCache
 from .sampling import SamplingParams, StopChecker, token_logprobs
+from .grammar import Constraint
 from .speculative import DraftContext
 
 
@@ -43,6 +44,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None
     tokens: list[int] = field(default_factory=list)
     context: DraftContext | None = None
+    constraint: Constraint | None = None  # the grammar the answer follows, if any
 
     @property
     def room(self) -> int:
@@ -53,6 +55,8 @@ class Sequence:
         """Record one generated token and check the stop conditions. ``logits`` [V]:
         the model's logits the token was drawn under (for its logprobs, if asked)."""
         self.tokens.append(token)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         text = self.detokenizer.push(token) if self.detokenizer is not None else ""
         update = self.stop.feed(token, text)
         if update.finish_reason == "length" and self.detokenizer is not None:

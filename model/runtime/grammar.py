@@ -1,0 +1,226 @@
+"""Constrained decoding: a request's answer follows a grammar, token by token.
+
+A request that must answer in JSON (``response_format``) or must call a tool
+(``tool_choice`` required or named) carries a grammar (Lark syntax, as llguidance reads
+it) in its :class:`model.runtime.sampling.SamplingParams`. Its :class:`Constraint` holds
+an llguidance matcher: before each token is sampled, the tokens that cannot continue the
+grammar get logit -inf; the sampled token advances the matcher. Once the grammar is
+complete, only the end-of-sentence token is allowed.
+
+With thinking on, the grammar governs the answer, not the reasoning: it starts after the
+``</think>`` token (``after_token``).
+
+DSpark verification: :meth:`Constraint.masks_along` gives the mask at the anchor and
+after each guess (advancing the matcher along the guesses, then rolling it back); a
+guess outside the grammar has probability 0 under the masked target, so it is rejected
+like any other wrong guess, and the tokens kept are then fed as usual.
+
+llguidance over xgrammar (both measured on this vocabulary, a JSON schema answer of 55
+tokens, 2-core EPYC): mask p50 6.6 us / mean 32 us against 2.5 / 4.4 us, both under
+0.2% of a decode step; llguidance needs no other package, xgrammar pulls triton and
+transformers.
+
+No I/O here, no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import lru_cache
+
+import llguidance
+import llguidance.torch
+import torch
+
+from ..tools import CALLS_CLOSE, CALLS_MARKER, DSML, INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN
+
+
+class GrammarError(ValueError):
+    """A grammar (or the schema it came from) that the engine cannot compile."""
+
+
+def _literal(text: str, dsml_token: int | None) -> str:
+    """``text`` as a Lark string; ``｜DSML｜`` as its special token where it is one."""
+    if dsml_token is None:
+        return json.dumps(text, ensure_ascii=False)
+    pieces = []
+    for index, part in enumerate(text.split(DSML)):
+        if index:
+            pieces.append(f"<[{dsml_token}]>")
+        if part:
+            pieces.append(json.dumps(part, ensure_ascii=False))
+    return f"({' '.join(pieces)})"
+
+
+# JSON is written as ``json.dumps`` writes it (", " and ": ", no other whitespace): the
+# layout the model saw (the tool schemas and calls are written so), and no room for a
+# model that emits whitespace forever.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _with_layout(schema: dict) -> dict:
+    return {**schema, "x-guidance": {**_JSON_LAYOUT, **schema.get("x-guidance", {})}}
+
+
+def json_grammar(schema: dict | None) -> str:
+    """An answer that is one JSON value of ``schema`` (None: any JSON object)."""
+    schema = {"type": "object"} if schema is None else schema
+    return f"start: %json{json.dumps(_with_layout(schema), ensure_ascii=False)}\n"
+
+
+def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: bool = True,
+                      dsml_token: int | None = None) -> str:
+    """An answer that is a DSML calls block (:mod:`model.tools`) of one call (or, with
+    ``parallel``, one or more) of ``name`` (None: any of ``tools``). Each call's
+    parameters are those of its schema, in the schema's order, the required ones
+    present; a string parameter is written as it is, any other as JSON of its schema.
+    A tool without a ``properties`` schema takes any parameters."""
+    chosen = [tool for tool in tools if name is None or tool["name"] == name]
+    if not chosen:
+        raise GrammarError(f"no tool named {name!r}")
+    lit = lambda text: _literal(text, dsml_token)  # noqa: E731
+    invoke = " | ".join(f"invoke_{i}" for i in range(len(chosen)))
+    # Every literal is its own lexeme and llguidance lexes greedily: no literal may be a
+    # prefix of another that can come at the same point ("\n" then "</...", never "\n</...").
+    newline = lit("\n")
+    rules = [f'start: {lit(CALLS_MARKER + chr(10))} invoke {"(" + newline + " invoke)*" if parallel else ""} '
+             f'{newline} {lit(CALLS_CLOSE)}',
+             f"invoke: {invoke}"]
+    for i, tool in enumerate(chosen):
+        parameters = tool.get("parameters") or {}
+        properties = parameters.get("properties")
+        required = set(parameters.get("required") or ())
+        head = lit(f'{INVOKE_OPEN}"{tool["name"]}">\n')
+        if properties is None:
+            body = f"(any_parameter {lit(chr(10))})*"
+        else:
+            items = []
+            for j, (key, schema) in enumerate(properties.items()):
+                rule = f"p_{i}_{j}"
+                items.append(f"{rule} {lit(chr(10))}" if key in required else f"({rule} {lit(chr(10))})?")
+                rules += _parameter_rules(rule, key, schema, lit)
+            body = " ".join(items)
+        rules.append(f"invoke_{i}: {head} {body} {lit(INVOKE_CLOSE)}")
+    if any((tool.get("parameters") or {}).get("properties") is None for tool in chosen):
+        rules += _parameter_rules("any_parameter", None, {}, lit)
+    return "\n".join(rules) + "\n"
+
+
+def _parameter_rules(rule: str, key: str | None, schema: dict, lit) -> list[str]:
+    name = lit(f'{PARAMETER_OPEN}"{key}"') if key is not None else f'{lit(PARAMETER_OPEN + chr(34))} NAME "\\""'
+    text = f'{rule}_text[suffix={lit(PARAMETER_CLOSE)}]: /(?s:.*)/'
+    rules = []
+    if key is None:
+        rules.append('NAME: /[A-Za-z0-9_.\\-]+/')
+    as_text = f'{rule}_s: {name} {lit(chr(32) + "string=" + chr(34) + "true" + chr(34) + ">")} {rule}_text'
+    as_json = (f'{rule}_j: {name} {lit(chr(32) + "string=" + chr(34) + "false" + chr(34) + ">")} '
+               f'%json{json.dumps(_with_layout(schema or {}), ensure_ascii=False)} {lit(PARAMETER_CLOSE)}')
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    choices = schema.get("enum") if isinstance(schema, dict) else None
+    if choices and all(isinstance(choice, str) for choice in choices):  # one of these strings, as is
+        values = " | ".join(lit(choice) for choice in choices)
+        rules += [f"{rule}: {rule}_s", f"{rule}_s: {name} {lit(' string=' + chr(34) + 'true' + chr(34) + '>')} "
+                                       f"({values}) {lit(PARAMETER_CLOSE)}"]
+    elif kind == "string":
+        rules += [f"{rule}: {rule}_s", as_text, text]
+    elif kind is not None and kind != "string":
+        rules += [f"{rule}: {rule}_j", as_json]
+    else:  # a string enum, no type, or several: a string as is, anything else as JSON
+        rules += [f"{rule}: {rule}_s | {rule}_j", as_text, text, as_json]
+    return rules
+
+
+class Constraint:
+    """One request's position in its grammar (see the module docstring)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, grammar_vocab: int, after_token: int | None):
+        """``vocab_size``: the logits' width; ``grammar_vocab``: the tokenizer's."""
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.after_token = after_token
+        self.active = after_token is None
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, grammar_vocab)
+
+    def mask(self) -> torch.Tensor | None:
+        """bool [vocab]: the tokens allowed next (None: not constrained yet)."""
+        if not self.active:
+            return None
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        bits = self._bitmask[0].view(torch.int32)
+        allowed = ((bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()
+        out = torch.zeros(self.vocab_size, dtype=torch.bool)
+        width = min(self.vocab_size, allowed.shape[0])
+        out[:width] = allowed[:width]
+        return out
+
+    def advance(self, token: int) -> None:
+        """The request took ``token`` (sampled under :meth:`mask`)."""
+        if not self.active:
+            self.active = token == self.after_token
+            return
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} is outside the grammar: {self.matcher.get_error()}")
+
+    def masks_along(self, guesses: Sequence[int]) -> list[torch.Tensor | None]:
+        """The mask at the anchor and after each guess while the guesses stay inside
+        the grammar (fewer rows than ``len(guesses) + 1`` when one leaves it); the
+        matcher ends where it began."""
+        active, consumed = self.active, 0
+        masks = [self.mask()]
+        try:
+            for guess in guesses:
+                if not self.active:
+                    self.active = guess == self.after_token
+                elif masks[-1] is not None and bool(masks[-1][guess]) and self.matcher.consume_token(guess):
+                    consumed += 1
+                else:
+                    break
+                masks.append(self.mask())
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+            self.active = active
+        return masks
+
+
+def apply_masks(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """``logits`` [n, V] with row ``j``'s disallowed tokens at -inf (rows past the
+    masks: everything disallowed but what the last mask allows; they are never used)."""
+    if all(mask is None for mask in masks):
+        return logits
+    logits = logits.float().clone()
+    for row in range(logits.shape[0]):
+        mask = masks[min(row, len(masks) - 1)]
+        if mask is not None:
+            logits[row, ~mask[: logits.shape[1]]] = float("-inf")
+    return logits
+
+
+class GrammarCompiler:
+    """Compiles grammars for one vocabulary (the tokenizer's byte tables are built once:
+    ~20 ms here for 4K tokens, about a second for the released 129K)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token: int):
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token)
+
+    def check(self, grammar: str) -> None:
+        """Raise :class:`GrammarError` if ``grammar`` does not compile."""
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_compiled(grammar), self.tokenizer)
+        if failed:
+            raise GrammarError("; ".join(message.strip() for message in messages) or "invalid grammar")
+
+    def constraint(self, grammar: str, vocab_size: int, after_token: int | None = None) -> Constraint:
+        """A fresh position at the start of ``grammar``, for logits ``vocab_size`` wide."""
+        matcher = llguidance.LLMatcher(self.tokenizer, _compiled(grammar))
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return Constraint(matcher, vocab_size, self.tokenizer.vocab_size, after_token)
+
+
+@lru_cache(maxsize=256)
+def _compiled(grammar: str) -> str:
+    try:
+        return llguidance.grammar_from("lark", grammar)
+    except (ValueError, RuntimeError) as error:
+        raise GrammarError(str(error)) from None

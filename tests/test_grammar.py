@@ -1,0 +1,134 @@
+"""Constrained decoding: whatever the model's weights, a constrained answer follows its
+grammar; with DSpark too, where a guess outside the grammar is rejected like any other."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from model.chat import Tokenizer
+from model.dspark import DSparkDrafter
+from model.runtime.batcher import Batcher, Speculation
+from model.runtime.engine import Engine
+from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, tool_call_grammar
+from model.runtime.sampling import SamplingParams
+from model.runtime.speculative import SpeculativeDrafter
+from model.tools import parse_calls
+from model.training import init_module
+
+TINY = "configs/tiny"
+
+# Bounded schemas: a random model must still finish them within max_tokens.
+SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}},
+     "required": ["ok", "level"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 500}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                   "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "required": ["x", "y"], "additionalProperties": False},
+        "tag": {"anyOf": [{"type": "null"}, {"type": "boolean"}]}},
+     "required": ["name", "point", "tag"], "additionalProperties": False},
+]
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "metric": {"type": "boolean"}}, "required": ["city", "days"]}}
+CLOCK = {"name": "clock", "parameters": {"type": "object", "properties": {}}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_backbone):
+    config, model, hasher = tiny_backbone
+    drafter = init_module(DSparkDrafter(config), seed=1, std=0.08).eval()
+    return Engine(model, hasher), drafter, Tokenizer.from_dir(TINY)
+
+
+def _run(engine, tokenizer, prompts, params, speculation=None):
+    batcher = Batcher(engine, tokenizer, eos_token_ids=(tokenizer.special.eos,), max_batch=4,
+                      speculation=speculation)
+    ids = {str(i): [] for i in range(len(prompts))}
+    finish = {}
+    for i, prompt in enumerate(prompts):
+        event = batcher.add(str(i), params, prompt=prompt)
+        ids[str(i)].append(event.token_id)
+        finish[str(i)] = event.finish_reason
+    while batcher.running:
+        for event in batcher.step():
+            ids[event.request_id].append(event.token_id)
+            finish[event.request_id] = event.finish_reason
+    return [(tokenizer.decode(ids[str(i)], skip_special_tokens=True), ids[str(i)], finish[str(i)])
+            for i in range(len(prompts))]
+
+
+def _prompts(tokenizer):
+    return [tokenizer.encode(text) for text in ("def parse(data):", "import json\nx = ", "class A:\n    pass")]
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+@pytest.mark.parametrize("schema", range(len(SCHEMAS)))
+def test_every_answer_is_valid_json_of_its_schema(tiny, schema, speculate):
+    engine, drafter, tokenizer = tiny
+    spec = Speculation(SpeculativeDrafter(drafter, engine), "fixed", k=3) if speculate else None
+    for temperature, seed in ((0.0, None), (1.0, 7), (1.5, 11)):
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=120,
+                                grammar=json_grammar(SCHEMAS[schema]))
+        for text, _, finish in _run(engine, tokenizer, _prompts(tokenizer), params, spec):
+            assert finish == "stop", text
+            jsonschema.validate(json.loads(text), SCHEMAS[schema])
+
+
+def test_speculative_greedy_equals_plain_greedy_under_a_grammar(tiny):
+    engine, drafter, tokenizer = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=80, grammar=json_grammar(SCHEMAS[2]))
+    plain = _run(engine, tokenizer, _prompts(tokenizer), params)
+    spec = Speculation(SpeculativeDrafter(drafter, engine), "fixed", k=4)
+    assert _run(engine, tokenizer, _prompts(tokenizer), params, spec) == plain
+
+
+@pytest.mark.parametrize("name, parallel", [(None, True), ("clock", False), ("get_weather", False)])
+def test_a_required_call_is_a_well_formed_call_of_a_listed_tool(tiny, name, parallel):
+    engine, _, tokenizer = tiny
+    grammar = tool_call_grammar([WEATHER, CLOCK], name, parallel)
+    for temperature, seed in ((0.0, None), (1.0, 3), (1.0, 4)):
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=200, grammar=grammar)
+        for text, _, finish in _run(engine, tokenizer, _prompts(tokenizer), params):
+            assert finish == "stop", text
+            calls = parse_calls(text)
+            assert calls, text
+            assert parallel or len(calls) == 1
+            for call in calls:
+                assert call.name == (name or call.name) and call.name in ("get_weather", "clock")
+                if call.name == "get_weather":
+                    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+
+
+def test_the_grammar_starts_after_the_reasoning(tiny):
+    """With thinking on, the reasoning is free and the grammar governs what follows ``</think>``."""
+    _, _, tokenizer = tiny
+    compiler = GrammarCompiler(tokenizer.json, tokenizer.vocab_size, tokenizer.special.eos)
+    constraint = compiler.constraint(json_grammar(SCHEMAS[0]), tokenizer.vocab_size, tokenizer.special.think_end)
+    for token in tokenizer.encode("anything at all }{"):
+        assert constraint.mask() is None
+        constraint.advance(token)
+    constraint.advance(tokenizer.special.think_end)
+    allowed = constraint.mask()
+    assert allowed[tokenizer.encode("{")[0]] and int(allowed.sum()) < tokenizer.vocab_size // 10
+    walker, path = compiler.constraint(json_grammar(SCHEMAS[0]), tokenizer.vocab_size), []
+    for _ in range(6):  # a path inside the grammar: the highest allowed id at each step
+        path.append(int(walker.mask().nonzero()[-1]))
+        walker.advance(path[-1])
+    masks = constraint.masks_along(path + [tokenizer.special.think_end])  # the last guess leaves it
+    assert len(masks) == len(path) + 1 and all(m is not None for m in masks)
+    assert (constraint.mask() == allowed).all()  # the look-ahead left the matcher where it was
+
+
+def test_a_schema_the_engine_cannot_compile_is_a_clear_error(tiny):
+    _, _, tokenizer = tiny
+    compiler = GrammarCompiler(tokenizer.json, tokenizer.vocab_size, tokenizer.special.eos)
+    with pytest.raises(GrammarError, match="type"):
+        compiler.check(json_grammar({"type": 7}))
+    with pytest.raises(GrammarError):
+        tool_call_grammar([WEATHER], "nope")
