@@ -10,6 +10,7 @@ chunks. No I/O here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -57,6 +58,13 @@ class GenerationRequest:
     parallel_tool_calls: bool = True
     # None, or the JSON the answer must be: {"schema": ...} (None: any object).
     response_format: dict | None = None
+    n: int = 1  # answers to sample, sharing one prefill of the prompt
+
+    def samples(self) -> list[SamplingParams]:
+        """Each answer's sampling: with a seed, answer i takes seed + i."""
+        seed = self.params.seed
+        return [dataclasses.replace(self.params, seed=None if seed is None else (seed + i) % (1 << 63))
+                for i in range(self.n)]
 
     @property
     def parses_calls(self) -> bool:
@@ -200,8 +208,8 @@ class _Message(_Schema):
 
 
 class _Request(_Schema):
-    """What chat and completions requests share. ``n`` is accepted at 1 only; ``user``
-    is accepted and unused (OpenAI's end-user tag)."""
+    """What chat and completions requests share. ``user`` is accepted and unused
+    (OpenAI's end-user tag)."""
 
     model: str | None = None
     max_tokens: Integer | None = None
@@ -212,7 +220,7 @@ class _Request(_Schema):
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: _StreamOptions | None = None
-    n: Literal[1] | None = None
+    n: Integer | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
@@ -250,8 +258,6 @@ def _validated(schema: type[_Request], data: dict) -> _Request:
         where = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc).lstrip(".")
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"{where} is not supported by this server", param) from None
-        if param == "n":
-            raise ApiError(400, "only n=1 is supported", "n") from None
         if param in ("echo", "best_of", "suffix"):
             raise ApiError(400, f"{param} is not supported by this server (only its default)", param) from None
         message = first["msg"].removeprefix("Value error, ")
@@ -314,6 +320,16 @@ def _sampling(request: _Request, default_max: int, vocab_size: int | None = None
         raise ApiError(400, str(error), param) from None
 
 
+MAX_N = 16  # answers per request: each is a place in a decoder batch
+
+
+def _n(request: _Request) -> int:
+    n = 1 if request.n is None else request.n
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be an integer in 1..{MAX_N}", "n")
+    return n
+
+
 def _stream_flags(request: _Request) -> tuple[bool, bool]:
     options = request.stream_options
     return request.stream, bool(options is not None and options.include_usage)
@@ -342,7 +358,7 @@ def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | 
                              messages=tuple(messages), thinking=thinking, effort=effort, tools=tools,
                              tool_choice=choice, tool_name=name,
                              parallel_tool_calls=request.parallel_tool_calls is not False,
-                             response_format=response_format)
+                             response_format=response_format, n=_n(request))
 
 
 def _response_format(request: ChatRequest, choice: str) -> dict | None:
@@ -410,7 +426,7 @@ def parse_completion(data: dict, model_name: str, default_max: int, vocab_size: 
         raise ApiError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
     stream, include_usage = _stream_flags(request)
     return GenerationRequest(model_name, _sampling(request, default_max, vocab_size), stream, include_usage,
-                             prompt=prompt)
+                             prompt=prompt, n=_n(request))
 
 
 def _check_model(request: _Request, model_name: str) -> None:
@@ -521,17 +537,20 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
     return body if index is None else {"index": index, **body}
 
 
-def chat_response(rid: str, model: str, content: str, reasoning: str | None, finish: str, usage_: dict,
-                  calls: list[ToolCall] = (), logprobs: list[dict] | None = None) -> dict:
+def chat_choice(index: int, content: str, reasoning: str | None, finish: str, calls: list[ToolCall] = (),
+                logprobs: list[dict] | None = None) -> dict:
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [tool_call_json(call) for call in calls]
-    choice = {"index": 0, "message": message, "finish_reason": finish,
-              "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None}
+    return {"index": index, "message": message, "finish_reason": finish,
+            "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], usage_: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage_}
+            "choices": choices, "usage": usage_}
 
 
 class CompletionLogprobs:
@@ -558,19 +577,23 @@ class CompletionLogprobs:
                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, usage_: dict,
-                        logprobs: dict | None = None) -> dict:
+def completion_choice(index: int, text: str, finish: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], usage_: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}], "usage": usage_}
+            "choices": choices, "usage": usage_}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, usage_: dict | None = None) -> dict:
-    """A streamed chat chunk; a ``logprobs`` key of ``delta`` goes to its choice."""
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, usage_: dict | None = None,
+               index: int = 0) -> dict:
+    """A streamed chat chunk of answer ``index``; a ``logprobs`` key of ``delta`` goes to its choice."""
     choices = []
     if delta is not None:
         delta = dict(delta)
         logprobs = delta.pop("logprobs", None)
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
+        choices = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
              "choices": choices}
     if usage_ is not None:
@@ -578,20 +601,19 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None, usage_: di
     return chunk
 
 
-def chat_chunks(rid: str, model: str, deltas: list[dict], finish: str | None) -> list[dict]:
+def chat_chunks(rid: str, model: str, deltas: list[dict], finish: str | None, index: int = 0) -> list[dict]:
     """The chunks for one token's ``deltas``, the finish reason on the last (alone if
     the token added nothing)."""
     if finish and not deltas:
         deltas = [{}]
-    return [chat_chunk(rid, model, delta, finish if index == len(deltas) - 1 else None)
-            for index, delta in enumerate(deltas)]
+    return [chat_chunk(rid, model, delta, finish if i == len(deltas) - 1 else None, index=index)
+            for i, delta in enumerate(deltas)]
 
 
 def completion_chunk(rid: str, model: str, text: str | None, finish: str | None, usage_: dict | None = None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     chunk = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]
-             if text is not None else []}
+             "choices": [completion_choice(index, text, finish, logprobs)] if text is not None else []}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk

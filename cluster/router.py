@@ -315,22 +315,27 @@ class Router:
         marks["node"] = nodes[0] if nodes and self.load is not None else None
         if self.load is not None:
             self.load.started(marks["node"])
-        if plan.cached_chunks == 0 and plan.windows == () and len(tokens) <= self.config.local_prefill_tokens:
+        samples = request.samples()
+        if request.n == 1 and plan.cached_chunks == 0 and plan.windows == () and \
+                len(tokens) <= self.config.local_prefill_tokens:
             # Nothing stored and a short prompt: the decoder encodes it itself, sparing
             # two hops and a handoff (its batch waits about one step for it).
             # (An Engram lookup holds object refs: those travel by reference.)
             decoder = self.decoder_direct if lookup is None else self.decoder
-            return decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup,
-                                                       preferred_nodes=nodes), None
+            return [(decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup,
+                                                         preferred_nodes=nodes), None)]
         stored = self.naming.loadable_chunks(plan)
         if stored and plan.chunk_keys:  # the decoder reads the stored prefix while the prefill runs
             self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored], preferred_nodes=nodes)
+        # One prefill, whatever n: each answer's decoder admits its own copy of the handoff.
         handoff = self.prefill.prefill.remote(plan, preferred_nodes=nodes, engram=lookup)
 
-        def without_the_pool():  # if the prefill pool fails, the decoder encodes the prompt itself
-            return self.decoder_direct.prefill_and_generate.remote(plan, request.params, rid)
+        def without_the_pool(params, sample_id):  # the prefill pool failed: the decoder encodes the prompt
+            return lambda: self.decoder_direct.prefill_and_generate.remote(plan, params, sample_id)
 
-        return self.decoder.generate.remote(handoff, request.params, rid, preferred_nodes=nodes), without_the_pool
+        ids = [rid] if request.n == 1 else [f"{rid}-{i}" for i in range(request.n)]
+        return [(self.decoder.generate.remote(handoff, params, sample_id, preferred_nodes=nodes),
+                 without_the_pool(params, sample_id)) for params, sample_id in zip(samples, ids)]
 
     # ------------------------------------------------------------------ endpoints
     @fastapi_app.get("/health")
@@ -434,18 +439,9 @@ class Router:
             parsed = self._constrained(parsed)
             tokens = self._render(parsed)
             rid = api.new_id("chatcmpl" if chat else "cmpl")
-            stream, fallback = await self._events(parsed, tokens, rid, marks)
+            dispatched = await self._events(parsed, tokens, rid, marks)
             marks["router_sent"] = time.time()
-            try:
-                first = await self._first(stream, request)
-            except (api.ApiError, ClientGone):
-                raise
-            except Exception as error:  # noqa: BLE001 (a prefill replica died, or the pool failed)
-                if fallback is None:
-                    raise
-                logger.warning("the prefill pool failed (%s): the decoder encodes the prompt", type(error).__name__)
-                stream = fallback()
-                first = await self._first(stream, request)
+            started = await self._started(dispatched, request)
         except api.ApiError as error:
             self._ended(marks)
             self.metrics.record(endpoint, str(error.status))
@@ -459,37 +455,70 @@ class Router:
             logger.exception("request failed before its first token")
             self.metrics.record(endpoint, "503")
             return JSONResponse(_generation_failed(error).body(), status_code=503)
+        first = started[0][0]
         if self.load is not None and first.get("node"):
             self.load.seen(first["node"])
         queued_ms = self._admitted(first, marks)
-        events = _chained(first, stream, lambda: self._ended(marks))
+        streams = [_chained(head, stream, lambda: self._ended(marks)) for head, stream in started]
         if parsed.stream:
-            return StreamingResponse(self._sse(events, parsed, rid, chat, start), media_type="text/event-stream",
+            return StreamingResponse(self._sse(streams, parsed, rid, chat, start), media_type="text/event-stream",
                                      headers={"x-v41-queue-ms": f"{queued_ms:.3f}",
                                               "x-v41-moved-bytes": str(first.get("moved_bytes", 0))})
         try:
-            result = await self._collect(events, parsed, start)
+            results = await asyncio.gather(*(self._collect(events, parsed, start) for events in streams))
         except Exception as error:  # the decoder died or failed: a clear error, nothing cached
             self.metrics.record(endpoint, "503")
             return JSONResponse(_generation_failed(error).body(), status_code=503)
+        result = results[0]
+        generated = sum(len(r["tokens"]) for r in results)
         # Counted once the response is out (Ray metrics cost ~0.1 ms a request).
         counted = BackgroundTask(self._count, endpoint, "200", len(tokens), result["cached"],
-                                 len(result["tokens"]), result["ttft"], time.perf_counter() - start)
-        usage = api.usage(len(tokens), len(result["tokens"]), result["cached"])
+                                 generated, result["ttft"], time.perf_counter() - start)
+        usage = api.usage(len(tokens), generated, result["cached"])
         if chat:
-            body = api.chat_response(rid, self.config.model_name, result["content"], result["reasoning"],
-                                     result["finish"], usage, result["calls"], result["logprobs"])
+            body = api.chat_response(rid, self.config.model_name, [
+                api.chat_choice(i, r["content"], r["reasoning"], r["finish"], r["calls"], r["logprobs"])
+                for i, r in enumerate(results)], usage)
         else:
-            body = api.completion_response(rid, self.config.model_name, result["content"], result["finish"], usage,
-                                           result["logprobs"])
+            body = api.completion_response(rid, self.config.model_name, [
+                api.completion_choice(i, r["content"], r["finish"], r["logprobs"]) for i, r in enumerate(results)],
+                usage)
         # Time the replicas spent computing the first token (prefill, replay, sample), and
         # where the rest of the request's time went (Server-Timing, milliseconds).
         marks.update(result["timeline"], router_out=time.time())
+        # How many times the prompt was encoded for these answers (1 whatever n).
+        prefills = len({(r["timeline"].get("prefill_in"), r["timeline"].get("prefill_out")) for r in results})
         return JSONResponse(body, background=counted,
                             headers={"x-v41-replica-ms": f"{1e3 * result['replica_s']:.3f}",
+                                     "x-v41-prefills": str(prefills),
                                      "x-v41-queue-ms": f"{queued_ms:.3f}",
                                      "x-v41-moved-bytes": str(first.get("moved_bytes", 0)),
                                      "server-timing": server_timing(marks, result["replica_s"], result["prefilled_by"])})
+
+    async def _started(self, dispatched: list, request: Request) -> list[tuple[dict, object]]:
+        """(first event, stream) of each answer, once every one has its first token; an
+        answer whose prefill pool failed is encoded by the decoder instead. If one
+        fails, the others are cancelled."""
+        async def start(stream, fallback):
+            try:
+                return await self._first(stream, request), stream
+            except (api.ApiError, ClientGone):
+                raise
+            except Exception as error:  # noqa: BLE001 (a prefill replica died, or the pool failed)
+                if fallback is None:
+                    raise
+                logger.warning("the prefill pool failed (%s): the decoder encodes the prompt", type(error).__name__)
+                stream = fallback()
+                return await self._first(stream, request), stream
+
+        tasks = [asyncio.ensure_future(start(stream, fallback)) for stream, fallback in dispatched]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task, (stream, _) in zip(tasks, dispatched):
+                task.cancel()
+                stream.cancel()
+            raise
 
     async def _first(self, stream, request: Request):
         """The stream's first event (the first token), awaited before the response
@@ -575,43 +604,76 @@ class Router:
                 "logprobs": logprobs, "cached": cached, "finish": answer.finish_reason(finish), "replica_s": replica_s, "ttft": ttft,
                 "timeline": timeline, "prefilled_by": prefilled_by}
 
-    async def _sse(self, stream, request: api.GenerationRequest, rid: str, chat: bool, start: float):
-        model, prompt_tokens, cached, tokens, ttft = self.config.model_name, 0, 0, [], None
-        endpoint = "chat" if chat else "completions"
+    async def _sse(self, streams: list, request: api.GenerationRequest, rid: str, chat: bool, start: float):
+        """The answers' chunks as they come (several answers interleave, each with its
+        index), then the usage if asked, then ``[DONE]``."""
+        endpoint, totals = ("chat" if chat else "completions"), {"prompt": 0, "cached": 0, "tokens": 0, "ttft": None}
+        chunks: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for chunk in self._answer_chunks(index, stream, request, rid, chat, start, totals):
+                    await chunks.put(chunk)
+            except Exception as error:  # noqa: BLE001 (passed on to the client below)
+                await chunks.put(error)
+            finally:
+                await chunks.put(None)
+
+        pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+        try:
+            running, failed = len(pumps), None
+            while running:
+                item = await chunks.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    failed = failed or item
+                elif failed is None:
+                    yield api.sse(item)
+            if failed is not None:  # mid-stream failure: tell the client, end the stream
+                self.metrics.record(endpoint, "503")
+                yield api.sse(_generation_failed(failed).body())
+            else:
+                if request.include_usage:
+                    usage = api.usage(totals["prompt"], totals["tokens"], totals["cached"])
+                    model = self.config.model_name
+                    yield api.sse(api.chat_chunk(rid, model, None, None, usage) if chat else
+                                  api.completion_chunk(rid, model, None, None, usage))
+                await self._count(endpoint, "200", totals["prompt"], totals["cached"], totals["tokens"],
+                                  totals["ttft"], time.perf_counter() - start)
+            yield api.sse("[DONE]")
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    async def _answer_chunks(self, index: int, stream, request: api.GenerationRequest, rid: str, chat: bool,
+                             start: float, totals: dict):
+        """One answer's chunks (choice ``index``); its tokens counted in ``totals``."""
+        model, tokens = self.config.model_name, []
         answer = api.ChatAnswer(request, self.think_end, self.dsml, self.tokenizer.token_bytes) if chat else None
         completion = api.CompletionLogprobs(self.tokenizer.token_bytes) \
             if not chat and request.params.logprobs is not None else None
-        try:
-            if chat:
-                yield api.sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
-            async for event in stream:
-                if "cached_tokens" in event:
-                    cached, prompt_tokens = event["cached_tokens"], event["prompt_tokens"]
-                    ttft = time.perf_counter() - start
-                tokens.append(event["token_id"])
-                finish = event["finish_reason"]
-                logprob, top = event.get("logprob"), event.get("top_logprobs", ())
-                if answer is None:
-                    logprobs = completion.entry(event["token_id"], event["text"], logprob, top) \
-                        if completion is not None and logprob is not None else None
-                    yield api.sse(api.completion_chunk(rid, model, event["text"], finish, logprobs=logprobs))
-                else:
-                    deltas = answer.push(event["token_id"], event["text"], logprob, top) + \
-                        (answer.finish() if finish else [])
-                    finish = answer.finish_reason(finish) if finish else None
-                    for chunk in api.chat_chunks(rid, model, deltas, finish):
-                        yield api.sse(chunk)
-                if finish:
-                    break  # the request's last token: do not wait for the stream to close
-            if request.include_usage:
-                usage = api.usage(prompt_tokens, len(tokens), cached)
-                chunk = api.chat_chunk(rid, model, None, None, usage) if chat else \
-                    api.completion_chunk(rid, model, None, None, usage)
-                yield api.sse(chunk)
-            if request.messages:
-                self._remember(answer, tokens)
-            await self._count(endpoint, "200", prompt_tokens, cached, len(tokens), ttft, time.perf_counter() - start)
-        except Exception as error:  # mid-stream failure: tell the client, end the stream
-            self.metrics.record(endpoint, "503")
-            yield api.sse(_generation_failed(error).body())
-        yield api.sse("[DONE]")
+        if chat:
+            yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, index=index)
+        async for event in stream:
+            if "cached_tokens" in event and index == 0:
+                totals.update(cached=event["cached_tokens"], prompt=event["prompt_tokens"],
+                              ttft=time.perf_counter() - start)
+            tokens.append(event["token_id"])
+            totals["tokens"] += 1
+            finish = event["finish_reason"]
+            logprob, top = event.get("logprob"), event.get("top_logprobs", ())
+            if answer is None:
+                logprobs = completion.entry(event["token_id"], event["text"], logprob, top) \
+                    if completion is not None and logprob is not None else None
+                yield api.completion_chunk(rid, model, event["text"], finish, logprobs=logprobs, index=index)
+            else:
+                deltas = answer.push(event["token_id"], event["text"], logprob, top) + \
+                    (answer.finish() if finish else [])
+                finish = answer.finish_reason(finish) if finish else None
+                for chunk in api.chat_chunks(rid, model, deltas, finish, index):
+                    yield chunk
+            if finish:
+                break  # the request's last token: do not wait for the stream to close
+        if request.messages:
+            self._remember(answer, tokens)

@@ -51,7 +51,8 @@ def test_a_chat_request_becomes_a_generation_request():
     ({"frequency_penalty": -2.5}, "frequency_penalty", "frequency_penalty"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias"),
     ({"logit_bias": {"a": 1}}, "logit_bias", "not a token id"),
-    ({"n": 3}, "n", "only n=1"),
+    ({"n": 17}, "n", "n must be"),
+    ({"n": 0}, "n", "n must be"),
     ({"temperature": "hot"}, "temperature", "temperature"),
     ({"temperature": True}, "temperature", "temperature"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens"),
@@ -186,7 +187,7 @@ def test_streamed_tool_calls_assemble_in_the_openai_sdk(thinking):
     stream accumulator, give the message the non-streaming response gives."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
-    from cluster.openai_api import ChatAnswer, chat_chunk, chat_chunks, chat_response
+    from cluster.openai_api import ChatAnswer, chat_choice, chat_chunk, chat_chunks, chat_response
     from model.tools import ToolCall, calls_text
 
     tokenizer = _released_tokenizer()
@@ -221,7 +222,8 @@ def test_streamed_tool_calls_assemble_in_the_openai_sdk(thinking):
         ("get_weather", {"city": "Paris", "days": 1}), ("get_weather", {"city": "Tokyo"})]
     assert state.get_final_completion().choices[0].finish_reason == "tool_calls"
     assert getattr(message, "reasoning_content", None) == ("I should look." if thinking else None)
-    body = chat_response("id", MODEL, whole.content, whole.reasoning, whole.finish_reason("stop"), {}, whole.calls)
+    body = chat_response("id", MODEL, [chat_choice(0, whole.content, whole.reasoning, whole.finish_reason("stop"),
+                                                whole.calls)], {})
     assert body["choices"][0]["message"]["content"] == message.content
     assert [c["function"]["name"] for c in body["choices"][0]["message"]["tool_calls"]] == ["get_weather"] * 2
     assert body["choices"][0]["finish_reason"] == "tool_calls"

@@ -167,6 +167,34 @@ def test_structured_outputs_and_forced_calls_through_the_sdk(client):
         client.chat.completions.create(model=MODEL, messages=messages, response_format=bad)
 
 
+def test_n_answers_share_one_prefill(client):
+    """n seeded samples: n choices, streamed interleaved or not; the prompt is encoded
+    once (the answers' timelines name one prefill) and counted once in the usage."""
+    messages = [{"role": "user", "content": "class Stack:\n    def push(self, x):\n" * 6}]
+    # Once first, so that every request below finds the same stored cache (a cold prompt
+    # and a cached one are different computations: a sampled token may differ).
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=5, n=3)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=6,
+                                                            temperature=1.0, seed=5, n=3, logprobs=True)
+    assert raw.headers["x-v41-prefills"] == "1"
+    plain = raw.parse()
+    assert [c.index for c in plain.choices] == [0, 1, 2]
+    assert plain.usage.completion_tokens == sum(len(c.logprobs.content) for c in plain.choices) == 18
+    texts = [c.message.content for c in plain.choices]
+    assert len(set(texts)) > 1  # seeds 5, 6, 7
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0,
+                                                 seed=5, n=3, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts  # the same seeds, the same answers
+    assert chunks[-1].usage.completion_tokens == 18
+    one = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=6)
+    assert one.choices[0].message.content == texts[1]  # answer i is the request with seed + i
+    completions = client.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=4, n=2, temperature=0)
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert completions.choices[0].text == completions.choices[1].text  # greedy: the same
+
+
 def test_chat_streaming_equals_plain_and_counts_usage(client):
     messages = [{"role": "user", "content": "class Queue:\n    def put(self, item):"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0)
@@ -284,7 +312,7 @@ def test_an_agent_loop_of_immediate_turns_always_hits(client):
     (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model_not_found"),
     (json.dumps({"model": MODEL, "messages": []}).encode(), 400, None),
     (json.dumps({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, None),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), 400, None),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 30}).encode(), 400, None),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 7}).encode(), 400, None),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "huge"}).encode(),
      400, None),
