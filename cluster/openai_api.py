@@ -55,6 +55,7 @@ class GenerationRequest:
     # answer is calls, by grammar), or "function" (a call of ``tool_name``, by grammar).
     tool_choice: str = "auto"
     tool_name: str | None = None
+    strict_tools: frozenset[str] = frozenset()  # tools whose calls must follow their schema
     parallel_tool_calls: bool = True
     # None, or the JSON the answer must be: {"schema": ...} (None: any object).
     response_format: dict | None = None
@@ -160,7 +161,9 @@ class _Function(_Schema):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None  # enforced only with constrained decoding: refused when true
+    # A strict tool's calls follow its schema: by grammar when a call is forced; with
+    # "auto", a call whose arguments do not is returned as text, never as a call.
+    strict: StrictBool | None = None
 
 
 class _Tool(_Schema):
@@ -352,11 +355,12 @@ def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | 
             raise ApiError(400, f"messages[{i}]: {error}", "messages") from None
     thinking, effort = _effort(request.reasoning_effort)
     tools, choice, name = _tools(request)
+    strict = frozenset(tool.function.name for tool in request.tools or () if tool.function.strict)
     response_format = _response_format(request, choice)
     stream, include_usage = _stream_flags(request)
     return GenerationRequest(model_name, _sampling(request, default_max, vocab_size), stream, include_usage,
                              messages=tuple(messages), thinking=thinking, effort=effort, tools=tools,
-                             tool_choice=choice, tool_name=name,
+                             tool_choice=choice, tool_name=name, strict_tools=strict,
                              parallel_tool_calls=request.parallel_tool_calls is not False,
                              response_format=response_format, n=_n(request))
 
@@ -403,11 +407,17 @@ def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str, str | None]:
         choice, name = "function", choice.function.name
         if name not in names:
             raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    for tool in request.tools or ():
+        if tool.function.strict:
+            import jsonschema
+
+            try:
+                jsonschema.validators.validator_for(tool.function.parameters or {}).check_schema(
+                    tool.function.parameters or {})
+            except jsonschema.SchemaError as error:
+                raise ApiError(400, f"tools: the parameters of strict tool {tool.function.name!r} are not a JSON "
+                                    f"schema: {error.message}", "tools") from None
     forced = choice in ("required", "function")
-    # Enforced only where the answer is decoded under the tools' grammar: a forced call.
-    if not forced and any(tool.function.strict for tool in request.tools or ()):
-        raise ApiError(400, "tools[].function.strict is enforced only with tool_choice 'required' or a named "
-                            "function (with 'auto' the model may answer in text)", "tools")
     if not forced and request.parallel_tool_calls is False and functions:
         raise ApiError(400, "parallel_tool_calls: false is enforced only with tool_choice 'required' or a named "
                             "function", "parallel_tool_calls")
@@ -449,6 +459,30 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+def strict_calls(tools: Sequence[dict], strict: frozenset[str]) -> Callable[[ToolCall], bool] | None:
+    """Whether a parsed call may be returned as a call: a strict tool's arguments must
+    follow its parameters' schema (checked with jsonschema; a forced call follows it by
+    construction, an ``auto`` one is checked here), and the tool must exist."""
+    if not strict:
+        return None
+    import jsonschema
+
+    schemas = {tool["name"]: tool.get("parameters") or {} for tool in tools}
+
+    def accept(call: ToolCall) -> bool:
+        if call.name not in schemas:
+            return False
+        if call.name not in strict:
+            return True
+        try:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        except (jsonschema.ValidationError, jsonschema.SchemaError, json.JSONDecodeError):
+            return False
+        return True
+
+    return accept
+
+
 class ChatAnswer:
     """A chat answer as its tokens arrive: reasoning (up to ``</think>`` when thinking),
     answer text, and, when the request has tools and lets the model call them, the
@@ -462,7 +496,8 @@ class ChatAnswer:
         self.in_thinking = request.thinking
         self._reasoning: list[str] | None = [] if request.thinking else None
         self._content: list[str] = []
-        self._calls = ToolCallStream() if request.parses_calls else None
+        self._calls = ToolCallStream(strict_calls(request.tools, request.strict_tools)) \
+            if request.parses_calls else None
         self.logprobs: list[dict] | None = [] if request.params.logprobs is not None else None
         self._unsent: list[dict] = []  # logprobs of tokens whose text is not out yet
 

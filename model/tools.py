@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,7 +208,11 @@ class ToolCallStream:
     returned as answer text from where it stopped parsing, never dropped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, accept: Callable[[ToolCall], bool] | None = None) -> None:
+        """``accept(call)``: whether a well-formed call may be returned as one (a strict
+        tool's arguments must follow its schema); a call it refuses, and the rest of
+        the block, come back as answer text."""
+        self._accept = accept
         self._pending = ""  # answer text that may begin the marker
         self._block: str | None = None  # the block's text not parsed yet (None: not in a block)
         self._calls: list[ToolCall] = []
@@ -259,7 +263,7 @@ class ToolCallStream:
                     events += self._fail()
                 break
             call = parse_invoke(body[: end + len(INVOKE_CLOSE)])
-            if call is None:
+            if call is None or (self._accept is not None and not self._accept(call)):
                 events += self._fail()
                 break
             self._calls.append(call)
@@ -294,9 +298,10 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def split_answer(pieces: Iterable[str]) -> tuple[str, list[ToolCall]]:
+def split_answer(pieces: Iterable[str], accept: Callable[[ToolCall], bool] | None = None
+                 ) -> tuple[str, list[ToolCall]]:
     """A whole answer's text and calls (the non-streaming form of :class:`ToolCallStream`)."""
-    stream, text = ToolCallStream(), []
+    stream, text = ToolCallStream(accept), []
     for piece in pieces:
         text += [event.text for event in stream.push(piece) if isinstance(event, Content)]
     text += [event.text for event in stream.finish() if isinstance(event, Content)]

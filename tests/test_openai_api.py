@@ -32,7 +32,8 @@ def test_a_chat_request_becomes_a_generation_request():
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools", "strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": 7}}}]},
+     "tools", "not a JSON schema"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", "same name"),
     ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools", "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
@@ -242,3 +243,24 @@ def test_forced_calls_and_json_answers_are_parsed():
                                                                           "strict": True}}).response_format == {
         "schema": schema}
     assert _chat(response_format={"type": "text"}).response_format is None
+
+
+def test_a_strict_tools_call_that_breaks_its_schema_comes_back_as_text():
+    from cluster.openai_api import ChatAnswer
+    from model.tools import ToolCall, calls_text
+
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    loose = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+    request = _chat(tools=[tool, loose])
+    assert request.strict_tools == {"f"}
+    for calls, kept in (([ToolCall("f", '{"n": 3}'), ToolCall("g", '{"x": "y"}')], 2),
+                        ([ToolCall("f", '{"n": "three"}')], 0),  # breaks f's schema
+                        ([ToolCall("h", '{}')], 0)):  # no such tool
+        answer = ChatAnswer(request, think_end=6, dsml=None)
+        text = "ok" + calls_text(calls)
+        for piece in (text[:20], text[20:]):
+            answer.push(-1, piece)
+        answer.finish()
+        assert len(answer.calls) == kept
+        assert answer.content == ("ok" if kept else text)

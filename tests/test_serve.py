@@ -195,6 +195,30 @@ def test_n_answers_share_one_prefill(client):
     assert completions.choices[0].text == completions.choices[1].text  # greedy: the same
 
 
+def test_the_example_agent_runs_its_tool_loop(client):
+    """examples/agent.py against the server: a forced first call is executed here and its
+    result goes back; the loop ends with an answer that calls nothing (or at its limit)."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("agent", Path(__file__).parents[1] / "examples" / "agent.py")
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    calls = []
+    run_tool = agent.run_tool
+    agent.run_tool = lambda name, arguments: calls.append(name) or run_tool(name, arguments)
+    args = argparse.Namespace(first_call="required", max_steps=3, max_tokens=120)
+    # One tool whose argument is bounded (this model, untrained for tools, would fill a
+    # free-text argument to max_tokens).
+    tools = [{"type": "function", "function": {"name": "list_names", "parameters": {
+        "type": "object", "properties": {"module": {"enum": ["json", "shlex"]}}, "required": ["module"]}}}]
+    final = agent.solve(client, MODEL, "How many public names does the json module define?", args, show=False,
+                        tools=tools)
+    assert calls and set(calls) == {"list_names"}
+    assert isinstance(final, str)
+
+
 def test_chat_streaming_equals_plain_and_counts_usage(client):
     messages = [{"role": "user", "content": "class Queue:\n    def put(self, item):"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=7, temperature=0)

@@ -79,13 +79,15 @@ def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: 
     chosen = [tool for tool in tools if name is None or tool["name"] == name]
     if not chosen:
         raise GrammarError(f"no tool named {name!r}")
-    lit = lambda text: _literal(text, dsml_token)  # noqa: E731
+    def lit(text: str) -> str:
+        return _literal(text, dsml_token)
+
     invoke = " | ".join(f"invoke_{i}" for i in range(len(chosen)))
     # Every literal is its own lexeme and llguidance lexes greedily: no literal may be a
     # prefix of another that can come at the same point ("\n" then "</...", never "\n</...").
     newline = lit("\n")
-    rules = [f'start: {lit(CALLS_MARKER + chr(10))} invoke {"(" + newline + " invoke)*" if parallel else ""} '
-             f'{newline} {lit(CALLS_CLOSE)}',
+    more = f"({newline} invoke)*" if parallel else ""
+    rules = [f"start: {lit(CALLS_MARKER + chr(10))} invoke {more} {newline} {lit(CALLS_CLOSE)}",
              f"invoke: {invoke}"]
     for i, tool in enumerate(chosen):
         parameters = tool.get("parameters") or {}
@@ -99,7 +101,7 @@ def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: 
             for j, (key, schema) in enumerate(properties.items()):
                 rule = f"p_{i}_{j}"
                 items.append(f"{rule} {lit(chr(10))}" if key in required else f"({rule} {lit(chr(10))})?")
-                rules += _parameter_rules(rule, key, schema, lit)
+                rules += _parameter_rules(rule, key, schema if isinstance(schema, dict) else {}, lit)
             body = " ".join(items)
         rules.append(f"invoke_{i}: {head} {body} {lit(INVOKE_CLOSE)}")
     if any((tool.get("parameters") or {}).get("properties") is None for tool in chosen):
@@ -107,27 +109,32 @@ def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: 
     return "\n".join(rules) + "\n"
 
 
+_AS_TEXT, _AS_JSON = ' string="true">', ' string="false">'
+
+
 def _parameter_rules(rule: str, key: str | None, schema: dict, lit) -> list[str]:
-    name = lit(f'{PARAMETER_OPEN}"{key}"') if key is not None else f'{lit(PARAMETER_OPEN + chr(34))} NAME "\\""'
-    text = f'{rule}_text[suffix={lit(PARAMETER_CLOSE)}]: /(?s:.*)/'
+    """Rules for one parameter line (``key`` None: any name, any value)."""
     rules = []
     if key is None:
-        rules.append('NAME: /[A-Za-z0-9_.\\-]+/')
-    as_text = f'{rule}_s: {name} {lit(chr(32) + "string=" + chr(34) + "true" + chr(34) + ">")} {rule}_text'
-    as_json = (f'{rule}_j: {name} {lit(chr(32) + "string=" + chr(34) + "false" + chr(34) + ">")} '
-               f'%json{json.dumps(_with_layout(schema or {}), ensure_ascii=False)} {lit(PARAMETER_CLOSE)}')
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    choices = schema.get("enum") if isinstance(schema, dict) else None
+        name = f'{lit(PARAMETER_OPEN + chr(34))} NAME "\\""'
+        rules.append("NAME: /[A-Za-z0-9_.\\-]+/")
+    else:
+        name = lit(f'{PARAMETER_OPEN}"{key}"')
+    close = lit(PARAMETER_CLOSE)
+    free_text = f"{rule}_text[suffix={close}]: /(?s:.*)/"  # anything up to the close tag
+    as_text = f"{rule}_s: {name} {lit(_AS_TEXT)} {rule}_text"
+    as_json = f"{rule}_j: {name} {lit(_AS_JSON)} %json{json.dumps(_with_layout(schema), ensure_ascii=False)} {close}"
+    kind = schema.get("type")
+    choices = schema.get("enum")
     if choices and all(isinstance(choice, str) for choice in choices):  # one of these strings, as is
         values = " | ".join(lit(choice) for choice in choices)
-        rules += [f"{rule}: {rule}_s", f"{rule}_s: {name} {lit(' string=' + chr(34) + 'true' + chr(34) + '>')} "
-                                       f"({values}) {lit(PARAMETER_CLOSE)}"]
+        rules += [f"{rule}: {rule}_s", f"{rule}_s: {name} {lit(_AS_TEXT)} ({values}) {close}"]
     elif kind == "string":
-        rules += [f"{rule}: {rule}_s", as_text, text]
-    elif kind is not None and kind != "string":
+        rules += [f"{rule}: {rule}_s", as_text, free_text]
+    elif kind is not None:
         rules += [f"{rule}: {rule}_j", as_json]
-    else:  # a string enum, no type, or several: a string as is, anything else as JSON
-        rules += [f"{rule}: {rule}_s | {rule}_j", as_text, text, as_json]
+    else:  # no type, or several: a string as is, anything else as JSON
+        rules += [f"{rule}: {rule}_s | {rule}_j", as_text, free_text, as_json]
     return rules
 
 
