@@ -139,6 +139,10 @@ def test_structured_outputs_and_forced_calls_through_the_sdk(client):
     parsed = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Point, max_tokens=300,
                                            temperature=0)
     assert isinstance(parsed.choices[0].message.parsed, Point), parsed.choices[0].message.content
+    with client.chat.completions.stream(model=MODEL, messages=messages, response_format=Point, max_tokens=300,
+                                        temperature=0.8, seed=3) as stream:
+        streamed = stream.get_final_completion()
+    assert isinstance(streamed.choices[0].message.parsed, Point), streamed.choices[0].message.content
     anything = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=0.7,
                                               seed=1, response_format={"type": "json_object"})
     assert isinstance(json.loads(anything.choices[0].message.content), dict)
