@@ -35,7 +35,8 @@ SCHEMAS = [
 ]
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    "metric": {"type": "boolean"}}, "required": ["city", "days"]}}
+    "metric": {"type": "boolean"}, "note": {"type": "string", "minLength": 1, "maxLength": 8}},
+    "required": ["city", "days", "note"]}}  # a string as is, within its length bounds
 CLOCK = {"name": "clock", "parameters": {"type": "object", "properties": {}}}
 
 
@@ -93,7 +94,7 @@ def test_a_required_call_is_a_well_formed_call_of_a_listed_tool(tiny, name, para
     engine, _, tokenizer = tiny
     grammar = tool_call_grammar([WEATHER, CLOCK], name, parallel)
     for temperature, seed in ((0.0, None), (1.0, 3), (1.0, 4)):
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=200, grammar=grammar)
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=400, grammar=grammar)
         for text, _, finish in _run(engine, tokenizer, _prompts(tokenizer), params):
             assert finish == "stop", text
             calls = parse_calls(text)

@@ -121,7 +121,10 @@ def _parameter_rules(rule: str, key: str | None, schema: dict, lit) -> list[str]
     else:
         name = lit(f'{PARAMETER_OPEN}"{key}"')
     close = lit(PARAMETER_CLOSE)
-    free_text = f"{rule}_text[suffix={close}]: /(?s:.*)/"  # anything up to the close tag
+    # A string as is: anything up to the close tag, within the schema's length bounds.
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    length = "*" if not low and high is None else f"{{{int(low)},{'' if high is None else int(high)}}}"
+    free_text = f"{rule}_text[suffix={close}]: /(?s:.{length})/"
     as_text = f"{rule}_s: {name} {lit(_AS_TEXT)} {rule}_text"
     as_json = f"{rule}_j: {name} {lit(_AS_JSON)} %json{json.dumps(_with_layout(schema), ensure_ascii=False)} {close}"
     kind = schema.get("type")
