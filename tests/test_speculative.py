@@ -52,8 +52,8 @@ class _Oracle(SpeculativeDrafter):
         self.truth, self.batcher = truth, None
         self.generator = torch.Generator().manual_seed(seed)
 
-    def propose(self, contexts, anchors, params, generators):
-        drafted = super().propose(contexts, anchors, params, generators)
+    def propose(self, contexts, anchors, params, generators, constraints=None):
+        drafted = super().propose(contexts, anchors, params, generators, constraints)
         k = self.block_size
         for i, running in enumerate(self.batcher.running.values()):
             done = len(running.tokens)

@@ -28,14 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class _Timed:
-    """Wraps a Constraint's mask/advance/masks_along with a shared clock."""
+    """Wraps a Constraint's methods with a shared clock."""
 
     def __init__(self, constraint, clock: list[float]):
         self._constraint, self._clock = constraint, clock
 
     def __getattr__(self, name):
         method = getattr(self._constraint, name)
-        if name not in ("mask", "advance", "masks_along"):
+        if name not in ("mask", "advance", "masks_along", "try_advance", "rewind"):
             return method
 
         def timed(*args):
@@ -109,10 +109,12 @@ def run(args: argparse.Namespace) -> int:
                       "tokens": tokens}
     print(f"v41 bench grammar: {args.checkpoint}, batch {args.batch}, {args.steps} steps per mode, greedy, "
           f"JSON schema {json.dumps(SCHEMA)}")
-    print(f"{'decoding':<12} {'step ms':>9} {'constrained ms':>15} {'ratio':>7} {'grammar us/token':>17}")
+    print(f"{'decoding':<12} {'step ms':>9} {'constrained ms':>15} {'ratio':>7} {'grammar us/token':>17} "
+          f"{'tokens free / constrained':>26}")
     for name, row in rows.items():
+        tokens = f"{row['tokens']['free']} / {row['tokens']['constrained']}"
         print(f"{name:<12} {row['step_ms']:>9.2f} {row['constrained_step_ms']:>15.2f} {row['ratio']:>7.3f} "
-              f"{row['grammar_us_per_token']:>17.1f}")
+              f"{row['grammar_us_per_token']:>17.1f} {tokens:>26}")
     if args.json:
         print(json.dumps({"batch": args.batch, "steps": args.steps, "modes": rows}))
     return 0

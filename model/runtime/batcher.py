@@ -137,7 +137,7 @@ class Batcher:
         drafter = spec.drafter
         params = [r.params for r in batch]
         drafted = drafter.propose([r.context for r in batch], [r.tokens[-1] for r in batch], params,
-                                  [r.generator for r in batch])
+                                  [r.generator for r in batch], [r.constraint for r in batch])
         # Never verify more guesses than a request may still emit (its length limit).
         room = torch.tensor([r.room for r in batch])
         allowed = torch.arange(drafter.block_size)[None] < room[:, None]

@@ -144,12 +144,15 @@ def _parameter_rules(rule: str, key: str | None, schema: dict, lit) -> list[str]
 class Constraint:
     """One request's position in its grammar (see the module docstring)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, grammar_vocab: int, after_token: int | None):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, grammar_vocab: int, after_token: int | None,
+                 eos_token: int | None = None):
         """``vocab_size``: the logits' width; ``grammar_vocab``: the tokenizer's."""
-        self.matcher, self.vocab_size = matcher, vocab_size
+        self.matcher, self.vocab_size, self.eos_token = matcher, vocab_size, eos_token
         self.after_token = after_token
         self.active = after_token is None
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, grammar_vocab)
+        self._saved: bool | None = None  # ``active`` before a look-ahead (None: none running)
+        self._tentative = 0  # tokens a look-ahead consumed
 
     def mask(self) -> torch.Tensor | None:
         """bool [vocab]: the tokens allowed next (None: not constrained yet)."""
@@ -175,22 +178,41 @@ class Constraint:
         """The mask at the anchor and after each guess while the guesses stay inside
         the grammar (fewer rows than ``len(guesses) + 1`` when one leaves it); the
         matcher ends where it began."""
-        active, consumed = self.active, 0
         masks = [self.mask()]
         try:
             for guess in guesses:
-                if not self.active:
-                    self.active = guess == self.after_token
-                elif masks[-1] is not None and bool(masks[-1][guess]) and self.matcher.consume_token(guess):
-                    consumed += 1
-                else:
+                if not self.try_advance(guess, masks[-1]):
                     break
                 masks.append(self.mask())
         finally:
-            if consumed:
-                self.matcher.rollback(consumed)
-            self.active = active
+            self.rewind()
         return masks
+
+    def try_advance(self, token: int, mask: torch.Tensor | None = None) -> bool:
+        """Advance by ``token`` for a look-ahead (undone by :meth:`rewind`); False, and
+        no move, if it is outside the grammar. ``mask``: :meth:`mask` here, if known."""
+        if self._saved is None:
+            self._saved, self._tentative = self.active, 0
+        if not self.active:
+            self.active = token == self.after_token
+            return True
+        if mask is not None and not bool(mask[token]):
+            return False
+        if token == self.eos_token:
+            # The end: nothing follows it to look at, and llguidance does not roll a
+            # matcher back out of its stopped state correctly (seen with 1.9).
+            return mask is not None or bool(self.mask()[token])
+        if not self.matcher.consume_token(token):
+            return False
+        self._tentative += 1
+        return True
+
+    def rewind(self) -> None:
+        """Undo every :meth:`try_advance` since the last rewind."""
+        if self._saved is not None:
+            if self._tentative:
+                self.matcher.rollback(self._tentative)
+            self.active, self._saved, self._tentative = self._saved, None, 0
 
 
 def apply_masks(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -211,7 +233,7 @@ class GrammarCompiler:
     ~20 ms here for 4K tokens, about a second for the released 129K)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token: int):
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_token = vocab_size, eos_token
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token)
 
     def check(self, grammar: str) -> None:
@@ -225,7 +247,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, _compiled(grammar))
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Constraint(matcher, vocab_size, self.tokenizer.vocab_size, after_token)
+        return Constraint(matcher, vocab_size, self.tokenizer.vocab_size, after_token, self.eos_token)
 
 
 @lru_cache(maxsize=256)

@@ -111,13 +111,16 @@ class SpeculativeDrafter:
 
     @torch.no_grad()
     def propose(self, contexts: Sequence[DraftContext], anchors: Sequence[int], params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> "Drafted":
+                generators: Sequence[torch.Generator | None], constraints: Sequence | None = None) -> "Drafted":
         """Guesses for every request from one parallel drafter pass.
 
         The anchor of request ``i`` sits at ``contexts[i].end``. Greedy requests take the
         argmax at each position, sampled ones draw from ``probabilities(logits, params)``
         with their own generator (one uniform per position), so that the draft
         distribution ``q`` used by the rejection sampler is exactly the one drawn from.
+        ``constraints[i]`` (a :class:`model.runtime.grammar.Constraint` or None): the
+        request's guesses are drawn inside its grammar (the masked distribution is ``q``),
+        so the target never rejects a guess for leaving it.
         """
         device = self.model.embed.weight.device
         width = max(len(c.positions) for c in contexts)
@@ -137,7 +140,16 @@ class SpeculativeDrafter:
         sampled = [not p.greedy for p in params]
         q: list[torch.Tensor] = []
 
+        guided = [i for i, c in enumerate(constraints or ()) if c is not None]
+        inside = {i: True for i in guided}  # the guesses so far stayed inside the grammar
+
         def pick(step: torch.Tensor) -> torch.Tensor:
+            if guided:
+                step = step.float().clone()
+                for i in guided:
+                    mask = constraints[i].mask() if inside[i] else None
+                    if mask is not None and bool(mask.any()):
+                        step[i, ~mask[: step.shape[-1]]] = float("-inf")
             tokens = step.argmax(dim=-1)
             if any(sampled):
                 probs = probabilities(step, params)
@@ -145,9 +157,15 @@ class SpeculativeDrafter:
                 for i, is_sampled in enumerate(sampled):
                     if is_sampled:
                         tokens[i] = _draw(probs[i], generators[i])
+            for i in guided:
+                inside[i] = inside[i] and constraints[i].try_advance(int(tokens[i]))
             return tokens
 
-        proposal = self.drafter.propose(draft, anchor_ids, pick=pick)
+        try:
+            proposal = self.drafter.propose(draft, anchor_ids, pick=pick)
+        finally:
+            for i in guided:
+                constraints[i].rewind()
         confidence = self.calibration.apply(proposal.confidence_logits)
         return Drafted(proposal, confidence, confidence.cumprod(dim=-1), torch.stack(q, dim=1) if q else None)
 
