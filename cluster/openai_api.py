@@ -314,7 +314,8 @@ def _sampling(request: _Request, default_max: int, vocab_size: int | None = None
             temperature=1.0 if request.temperature is None else float(request.temperature),
             top_p=1.0 if request.top_p is None else float(request.top_p),
             seed=request.seed, max_tokens=max_tokens, stop=stop,
-            presence_penalty=float(request.presence_penalty or 0), frequency_penalty=float(request.frequency_penalty or 0),
+            presence_penalty=float(request.presence_penalty or 0),
+            frequency_penalty=float(request.frequency_penalty or 0),
             logit_bias=_logit_bias(request, vocab_size), logprobs=_logprobs(request),
         )
     except SamplingParamsError as error:

@@ -601,8 +601,8 @@ class Router:
             self._remember(answer, tokens)
         logprobs = completion.merge(entries) if completion is not None else answer.logprobs
         return {"tokens": tokens, "content": answer.content, "reasoning": answer.reasoning, "calls": answer.calls,
-                "logprobs": logprobs, "cached": cached, "finish": answer.finish_reason(finish), "replica_s": replica_s, "ttft": ttft,
-                "timeline": timeline, "prefilled_by": prefilled_by}
+                "logprobs": logprobs, "cached": cached, "finish": answer.finish_reason(finish),
+                "replica_s": replica_s, "ttft": ttft, "timeline": timeline, "prefilled_by": prefilled_by}
 
     async def _sse(self, streams: list, request: api.GenerationRequest, rid: str, chat: bool, start: float):
         """The answers' chunks as they come (several answers interleave, each with its

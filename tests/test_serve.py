@@ -64,8 +64,9 @@ def test_a_tool_loop_with_the_sdk_stays_cached_turn_after_turn(client):
     whole previous prompt and answer from the cache."""
     messages = [{"role": "developer", "content": "Answer with code.\n" * 6},
                 {"role": "user", "content": "What is the weather in Paris and in Rome?\n" * 4}]
-    calls = [{"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-             {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]
+    calls = [{"id": f"call_{tag}", "type": "function",
+              "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+             for tag, city in (("a", "Paris"), ("b", "Rome"))]
     previous = None
     for turn, effort in enumerate(["medium", "medium", "medium"]):
         answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
