@@ -133,3 +133,29 @@ def test_a_schema_the_engine_cannot_compile_is_a_clear_error(tiny):
         compiler.check(json_grammar({"type": 7}))
     with pytest.raises(GrammarError):
         tool_call_grammar([WEATHER], "nope")
+
+
+def test_the_drafts_masks_are_the_ones_verification_would_compute(tiny):
+    """The verify pass reuses the masks the drafter walked: they must equal a fresh walk
+    of the matcher along the same guesses (Constraint.masks_along)."""
+    engine, drafter, tokenizer = tiny
+    speculative = SpeculativeDrafter(drafter, engine)
+    batcher = Batcher(engine, tokenizer, eos_token_ids=(tokenizer.special.eos,), max_batch=4,
+                      speculation=Speculation(speculative, "fixed", k=4))
+    for i, (prompt, temperature) in enumerate(zip(_prompts(tokenizer), (0.0, 1.0, 1.3))):
+        batcher.add(str(i), SamplingParams(temperature=temperature, seed=i, max_tokens=50,
+                                           grammar=json_grammar(SCHEMAS[i % len(SCHEMAS)])), prompt=prompt)
+    for _ in range(3):
+        running = list(batcher.running.values())
+        if not running:
+            break
+        drafted = speculative.propose([r.context for r in running], [r.tokens[-1] for r in running],
+                                      [r.params for r in running], [r.generator for r in running],
+                                      [r.constraint for r in running])
+        for row, r in enumerate(running):
+            guesses = drafted.proposal.tokens[row].tolist()
+            walked, fresh = drafted.walks[row].masks_for(guesses), r.constraint.masks_along(guesses)
+            assert len(walked) == len(fresh) == len(guesses) + 1  # drafted inside the grammar
+            assert all((a is None and b is None) or bool((a == b).all()) for a, b in zip(walked, fresh))
+        assert drafted.walks[0].masks_for([-1]) is None  # other guesses than the walk's: not reused
+        batcher.step()

@@ -155,7 +155,11 @@ class Batcher:
             q = drafted.q[i] if drafted.q is not None and not r.params.greedy else None
             shaped = shape_logits(logits[i], r.params, r.tokens, guesses[i][: lengths[i]])
             if r.constraint is not None:  # a guess outside the grammar has probability 0: rejected
-                shaped = apply_masks(shaped, r.constraint.masks_along(guesses[i][: lengths[i]]))
+                walk = drafted.walks.get(i)
+                masks = walk.masks_for(guesses[i][: lengths[i]]) if walk is not None else None
+                if masks is None:  # not drafted under the grammar
+                    masks = r.constraint.masks_along(guesses[i][: lengths[i]])
+                shaped = apply_masks(shaped, masks)
             m, tokens = accept_tokens(shaped, guesses[i][: lengths[i]], r.params, r.generator, q)
             kept, done = 0, False
             for position, token in enumerate(tokens):

@@ -141,13 +141,21 @@ class SpeculativeDrafter:
         q: list[torch.Tensor] = []
 
         guided = [i for i, c in enumerate(constraints or ()) if c is not None]
-        inside = {i: True for i in guided}  # the guesses so far stayed inside the grammar
+        # Per guided request: the guesses walked so far, and the mask before each of them
+        # and after the last one while they stay inside the grammar (what the verify pass
+        # needs: GrammarWalk).
+        walks = {i: GrammarWalk([], []) for i in guided}
+        inside = {i: True for i in guided}
 
         def pick(step: torch.Tensor) -> torch.Tensor:
+            masks = {}
             if guided:
                 step = step.float().clone()
                 for i in guided:
-                    mask = constraints[i].mask() if inside[i] else None
+                    if inside[i]:
+                        masks[i] = constraints[i].mask()
+                        walks[i].masks.append(masks[i])
+                    mask = masks.get(i)
                     if mask is not None and bool(mask.any()):
                         step[i, ~mask[: step.shape[-1]]] = float("-inf")
             tokens = step.argmax(dim=-1)
@@ -158,28 +166,52 @@ class SpeculativeDrafter:
                     if is_sampled:
                         tokens[i] = _draw(probs[i], generators[i])
             for i in guided:
-                inside[i] = inside[i] and constraints[i].try_advance(int(tokens[i]))
+                walks[i].tokens.append(int(tokens[i]))
+                inside[i] = inside[i] and constraints[i].try_advance(int(tokens[i]), masks[i])
             return tokens
 
         try:
             proposal = self.drafter.propose(draft, anchor_ids, pick=pick)
+            for i in guided:
+                if inside[i]:
+                    walks[i].masks.append(constraints[i].mask())
         finally:
             for i in guided:
                 constraints[i].rewind()
         confidence = self.calibration.apply(proposal.confidence_logits)
-        return Drafted(proposal, confidence, confidence.cumprod(dim=-1), torch.stack(q, dim=1) if q else None)
+        return Drafted(proposal, confidence, confidence.cumprod(dim=-1), torch.stack(q, dim=1) if q else None,
+                       walks)
+
+
+@dataclass
+class GrammarWalk:
+    """A constrained request's draft path: its guessed ``tokens`` and ``masks`` [V] (None:
+    not constrained yet), the one before each guess and the one after the last, while the
+    guesses stay inside the grammar (one row past the first that leaves it)."""
+
+    tokens: list[int]
+    masks: list[torch.Tensor | None]
+
+    def masks_for(self, guesses: Sequence[int]) -> list[torch.Tensor | None] | None:
+        """What ``Constraint.masks_along(guesses)`` gives, from the walk, or None if
+        ``guesses`` are not the walk's (a caller changed the proposal)."""
+        if list(guesses) != self.tokens[: len(guesses)]:
+            return None
+        return self.masks[: len(guesses) + 1]
 
 
 @dataclass
 class Drafted:
     """A batch's proposal: ``tokens`` via ``proposal`` [R, K]; calibrated ``confidence`` c
     and ``survival`` a = prod c [R, K]; ``q`` [R, K, V] the draft distributions the
-    sampled rows drew from (None when every request is greedy)."""
+    sampled rows drew from (None when every request is greedy); ``walks`` the grammar
+    masks along the guesses of constrained requests."""
 
     proposal: Proposal
     confidence: torch.Tensor
     survival: torch.Tensor
     q: torch.Tensor | None
+    walks: dict[int, GrammarWalk] = field(default_factory=dict)  # by row, for constrained requests
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
