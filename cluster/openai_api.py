@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
-from model.chat import Message
+from model.chat import EFFORT_LEVELS, Message
 from model.runtime.sampling import SamplingParams, SamplingParamsError
 from model.tools import DSML, Content, ToolCall, ToolCallStream
 
@@ -80,7 +80,8 @@ class GenerationRequest:
 # points, low = 50, high = 75, max = 100; OpenAI's other names sit between and below them:
 # minimal is half of low, medium midway from low to high, xhigh the top. "none" turns
 # thinking off, as does leaving the parameter out.
-OPENAI_EFFORT = {"minimal": 25, "low": 50, "medium": 62, "high": 75, "xhigh": 100, "max": 100}
+OPENAI_EFFORT = {**EFFORT_LEVELS, "minimal": EFFORT_LEVELS["low"] // 2,
+                 "medium": (EFFORT_LEVELS["low"] + EFFORT_LEVELS["high"]) // 2, "xhigh": EFFORT_LEVELS["max"]}
 
 
 _MAX_TOKENS_LIMIT = 1 << 20
@@ -402,7 +403,7 @@ def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str, str | None]:
     if len(set(names)) != len(names):
         raise ApiError(400, "tools: two tools have the same name", "tools")
     choice, name = request.tool_choice or "auto", None
-    if choice is not None and request.tool_choice is not None and not functions:
+    if request.tool_choice is not None and not functions:
         raise ApiError(400, "tool_choice is set but no tools are given", "tool_choice")
     if isinstance(choice, _NamedChoice):
         choice, name = "function", choice.function.name
