@@ -26,7 +26,7 @@ from storage.policy import RetentionPolicy, TierName
 from storage.redis_link import RedisLink
 from storage.tiers.ram import RamTier
 from storage.tiers.redis import RedisTier
-from storage.tiers.ssd import SsdTier, WriteFile, write_all
+from storage.tiers.ssd import SizedSsdTier, SsdTier, WriteFile, write_all
 from storage.write_behind import WriteBehind, WriteJob
 
 _LOOKUP_BATCH = 256  # keys per Redis round trip in lookup_prefix
@@ -47,6 +47,11 @@ class StoreConfig:
     index_pending_max: int = 100_000  # queued index updates kept while Redis is away
     write_queue_bytes: int = 256 << 20
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    # The retention lab drives a store on a virtual clock: GC when it says, lower tiers
+    # written on the caller's thread, and optionally sizes instead of bytes on SSD.
+    gc_thread: bool = True
+    write_behind: bool = True
+    ssd_sizes_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.node_id or "|" in self.node_id or self.node_id == SHARED_NODE:
@@ -103,7 +108,8 @@ class TieredStore:
         self._ram = RamTier(self._policy, clock, self._counters[TierName.RAM], self._dropped(self._here[TierName.RAM]))
         self._ssd = None
         if config.ssd_dir is not None:
-            self._ssd = SsdTier(config.ssd_dir, self._codec, self._policy, clock, self._counters[TierName.SSD],
+            tier = SizedSsdTier if config.ssd_sizes_only else SsdTier
+            self._ssd = tier(config.ssd_dir, self._codec, self._policy, clock, self._counters[TierName.SSD],
                                 self._dropped(self._here[TierName.SSD]), ssd_write)
         if self._index is not None:
             self._publisher = IndexPublisher(
@@ -112,7 +118,8 @@ class TieredStore:
         self._writer = WriteBehind(self._write_lower, max_bytes=config.write_queue_bytes)
         self._closed = threading.Event()
         self._gc_thread = threading.Thread(target=self._gc_loop, name="v41-store-gc", daemon=True)
-        self._gc_thread.start()
+        if config.gc_thread:
+            self._gc_thread.start()
 
     # -- index bookkeeping -------------------------------------------------------------
 
@@ -150,7 +157,11 @@ class TieredStore:
     def _write_behind(self, key: ObjectKey, data: bytes, *, to_redis: bool) -> None:
         to_ssd = self._ssd is not None and self._retention[TierName.SSD][key.kind] is not None
         to_redis = to_redis and self._redis is not None and self._retention[TierName.REDIS][key.kind] is not None
-        if (to_ssd or to_redis) and not self._writer.submit(WriteJob(key, data, to_ssd, to_redis)):
+        if not (to_ssd or to_redis):
+            return
+        if not self.config.write_behind:
+            self._write_lower([WriteJob(key, data, to_ssd, to_redis)])
+        elif not self._writer.submit(WriteJob(key, data, to_ssd, to_redis)):
             self._counters[TierName.SSD if to_ssd else TierName.REDIS].add(write_errors=1)
 
     def _write_lower(self, jobs: Sequence[WriteJob]) -> None:
@@ -284,7 +295,8 @@ class TieredStore:
     def close(self) -> None:
         """Finish queued writes and index updates (if Redis is up), stop threads, release tiers."""
         self._closed.set()
-        self._gc_thread.join()
+        if self._gc_thread.is_alive():
+            self._gc_thread.join()
         self._writer.close()
         if self._publisher is not None:
             self._publisher.close()

@@ -83,7 +83,6 @@ class SsdTier(LocalTier):
     def __init__(self, root: Path, codec: Codec, policy: RetentionPolicy, clock: Callable[[], float],
                  counters: TierCounters, on_drop: OnDrop, write_file: WriteFile = write_all) -> None:
         self._dir = Path(root) / "objects"
-        self._dir.mkdir(parents=True, exist_ok=True)
         self._prefix = str(self._dir)  # paths are built as strings: pathlib costs more than a read
         self._codec = codec
         self._policy = policy
@@ -106,6 +105,7 @@ class SsdTier(LocalTier):
 
     def _scan(self) -> None:
         """Rebuild the index from the files; delete those whose retention ran out."""
+        self._dir.mkdir(parents=True, exist_ok=True)
         now = self._clock()
         found: list[tuple[float, bytes, _Entry]] = []
         for path in self._walk():
@@ -358,3 +358,43 @@ class SsdTier(LocalTier):
         with self._lock:
             self._index.clear()
             self._bytes = 0
+
+
+class SizedPayload(bytes):
+    """A payload that is only its size: empty bytes whose ``len`` is the size it stands
+    for. What the retention lab's scale mode stores (``SizedSsdTier``; ``RamTier``
+    holds it as it is)."""
+
+    def __new__(cls, size: int) -> SizedPayload:
+        payload = super().__new__(cls)
+        payload.size = size
+        return payload
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"SizedPayload({self.size})"
+
+
+class SizedSsdTier(SsdTier):
+    """The SSD tier's policy (index, retention per kind, LRU eviction to the capacity,
+    last-use times, GC) over a medium that keeps sizes only: no file is written or read,
+    a hit returns a :class:`SizedPayload` of the stored size. Every decision is the
+    file tier's own code; only the medium differs (the retention lab's scale mode)."""
+
+    def _scan(self) -> None:
+        pass  # no files: an empty medium
+
+    def _write_atomic(self, path: str, header: bytes, payload: bytes, now: float) -> None:
+        pass
+
+    def _read(self, key: ObjectKey, entry: _Entry, now: float) -> bytes | None:
+        return SizedPayload(entry.size - HEADER_BYTES)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        pass
+
+    def _remove_temp_files(self) -> None:
+        pass

@@ -1,0 +1,320 @@
+"""The retention lab's simulator: a workload replayed on a virtual clock through the real
+tiered store (``storage.store.TieredStore``), so that the real retention policy, RAM LRU,
+SSD expiry, capacity eviction and window TTL decide every hit and miss.
+
+Events, in time order: a request arrives (its prompt's stored prefix is looked up and
+read: the reads restart retention clocks and promote SSD hits to RAM; its window state is
+looked for), its turn ends (service time from a stated prefill and decode rate: the
+chunks the conversation completed and its window state are stored), GC runs (every
+``gc_interval_s`` of virtual time), and the tiers' contents are sampled.
+
+Objects are extents: the chunks of one owner that one turn stores together are one
+object of their summed size (under LRU and TTL, chunks written and read together share
+one last-use time, so this saves work without changing a decision, except that reading
+part of an extent refreshes all of it: counted as ``partial_extent_reads``).
+
+Modes: ``exact`` stores real payloads (sizes divided by ``shrink``) in files under a
+temporary directory; ``scale`` keeps sizes only (``SizedSsdTier``: the same policy
+code, no I/O). Both give the same counters on the same input (tested).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import struct
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cluster.cachesim.sizes import Sizes
+from cluster.cachesim.workload import CHUNK_TOKENS, Request, WindowId
+from storage.keys import Fingerprint, Kind, ObjectKey
+from storage.policy import RetentionPolicy, TierName
+from storage.store import StoreConfig, TieredStore
+from storage.tiers.ssd import SizedPayload
+
+_KEY = struct.Struct("<qqq8x")
+FINGERPRINT = Fingerprint(b"v41-cache-sim\x00\x00\x00")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The policy under test and how the simulation runs."""
+
+    sizes: Sizes
+    ram_bytes: int = 200 << 30
+    ssd_bytes: int | None = None  # None: as much as it needs
+    chunk_retention_hours: float = 72.0
+    window_ttl_minutes: float = 30.0
+    gc_interval_s: float = 600.0
+    mode: str = "scale"  # or "exact"
+    shrink: int = 1  # object sizes (and capacities) divided by this (exact mode keeps files small)
+    prefill_tokens_per_s: float = 20_000.0  # service time of a turn: prefill ...
+    decode_tokens_per_s: float = 50.0  # ... then the answer
+    sample_every_s: float = 3600.0
+    hours: float | None = None  # stop after this much virtual time (None: the whole workload)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("exact", "scale"):
+            raise ValueError("mode must be 'exact' or 'scale'")
+        if self.shrink < 1:
+            raise ValueError("shrink must be at least 1")
+
+    def policy(self) -> RetentionPolicy:
+        return RetentionPolicy(
+            ram_capacity_bytes=self.ram_bytes // self.shrink, chunk_retention_hours=self.chunk_retention_hours,
+            window_ttl_minutes=self.window_ttl_minutes, persist_window_states=self.sizes.persist_windows,
+            ssd_capacity_bytes=None if self.ssd_bytes is None else self.ssd_bytes // self.shrink,
+            gc_interval_s=self.gc_interval_s)
+
+
+@dataclass
+class Totals:
+    """Counts over the whole run (tokens are prompt tokens)."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    hit_tokens_ram: int = 0
+    hit_tokens_ssd: int = 0
+    requests_hit_ram: int = 0  # requests whose stored prefix came (partly) from RAM
+    requests_hit_ssd: int = 0
+    window_candidates: int = 0  # requests that continue a turn whose window state may be stored
+    window_hits_ram: int = 0
+    window_hits_ssd: int = 0
+    replays: int = 0  # stored prefix, no window state: the encoder replays the last window
+    prefill_tokens: int = 0
+    partial_extent_reads: int = 0
+    chunk_bytes_written: int = 0
+    window_bytes_written: int = 0
+
+    def rates(self) -> dict[str, float]:
+        tokens, requests = max(1, self.input_tokens), max(1, self.requests)
+        candidates = max(1, self.window_candidates)
+        return {
+            "hit_rate_ram": self.hit_tokens_ram / tokens, "hit_rate_ssd": self.hit_tokens_ssd / tokens,
+            "hit_rate": (self.hit_tokens_ram + self.hit_tokens_ssd) / tokens,
+            "request_hit_rate_ram": self.requests_hit_ram / requests,
+            "request_hit_rate_ssd": self.requests_hit_ssd / requests,
+            "window_hit_rate": (self.window_hits_ram + self.window_hits_ssd) / candidates,
+            "replay_rate": self.replays / requests,
+        }
+
+
+@dataclass
+class Sample:
+    """The tiers' contents at one virtual time."""
+
+    time_s: float
+    objects: dict[str, int]
+    bytes: dict[str, int]
+    requests: int
+    chunk_bytes_written: int
+    window_bytes_written: int
+
+
+@dataclass
+class Result:
+    config: dict
+    totals: Totals
+    rates: dict[str, float]
+    store: dict
+    samples: list[Sample] = field(default_factory=list)
+    virtual_s: float = 0.0
+    wall_s: float = 0.0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _chunk_key(owner: int, first: int) -> ObjectKey:
+    return ObjectKey(Kind.CHUNK, _KEY.pack(owner, first, 0))
+
+
+def _window_key(window: WindowId) -> ObjectKey:
+    return ObjectKey(Kind.WINDOW, _KEY.pack(window[0], window[1], 1))
+
+
+class Simulator:
+    """One node's store under a workload (see the module docstring)."""
+
+    def __init__(self, config: SimConfig, directory: str | Path | None = None) -> None:
+        self.config = config
+        self.clock = _Clock()
+        self._tmp = tempfile.TemporaryDirectory(prefix="v41-cache-sim-") if directory is None else None
+        root = Path(directory if directory is not None else self._tmp.name)
+        store_config = StoreConfig(node_id="sim", ssd_dir=root / "ssd", retention=config.policy(), gc_thread=False,
+                                   write_behind=False, ssd_sizes_only=config.mode == "scale")
+        self.store = TieredStore(store_config, FINGERPRINT, clock=self.clock)
+        self.totals = Totals()
+        self.samples: list[Sample] = []
+        # Extents written, per owner: first chunk index -> end index (an extent may have
+        # left the store since; the store is asked).
+        self._extents: dict[int, dict[int, int]] = {}
+        self._chunk_size = config.sizes.chunk_bytes
+        self._window_size = max(1, config.sizes.window_bytes // config.shrink)
+
+    def _payload(self, size: int) -> bytes:
+        size = max(1, size // self.config.shrink)
+        return SizedPayload(size) if self.config.mode == "scale" else bytes(size)
+
+    # -- events ------------------------------------------------------------------------
+
+    def arrive(self, request: Request) -> tuple[int, int]:
+        """Look up and read the request's stored prefix and window state; returns
+        (chunks found, tokens it must prefill)."""
+        keys, spans = self._extent_keys(request.runs)
+        match = self.store.lookup_prefix(keys)
+        found = match.hits
+        if found:
+            self.store.get_many([hit.key for hit in found])
+        totals = self.totals
+        chunks = {TierName.RAM: 0, TierName.SSD: 0}
+        for hit, span in zip(found, spans):
+            chunks[hit.locations[0].tier] += span[1]
+            totals.partial_extent_reads += span[1] < span[0]
+        hit_chunks = chunks[TierName.RAM] + chunks[TierName.SSD]
+        totals.requests += 1
+        totals.input_tokens += request.input_tokens
+        totals.hit_tokens_ram += chunks[TierName.RAM] * CHUNK_TOKENS
+        totals.hit_tokens_ssd += chunks[TierName.SSD] * CHUNK_TOKENS
+        totals.requests_hit_ram += chunks[TierName.RAM] > 0
+        totals.requests_hit_ssd += chunks[TierName.SSD] > 0
+        resume_at = hit_chunks * CHUNK_TOKENS
+        resume = request.resume
+        if resume is not None and hit_chunks >= resume[1] // CHUNK_TOKENS and resume[1] > resume_at:
+            totals.window_candidates += 1
+            key = _window_key(resume)
+            where = self.store.lookup_prefix([key]).hits
+            if where and self.store.get(key) is not None:
+                if where[0].locations[0].tier is TierName.RAM:
+                    totals.window_hits_ram += 1
+                else:
+                    totals.window_hits_ssd += 1
+                resume_at = resume[1]
+            else:
+                totals.replays += 1
+        elif hit_chunks:
+            totals.replays += resume_at < request.input_tokens  # resuming after chunks: replay the window
+        prefill = request.input_tokens - resume_at
+        totals.prefill_tokens += prefill
+        return hit_chunks, prefill
+
+    def turn_end(self, request: Request, hit_chunks: int) -> None:
+        """Store the chunks the conversation completed (from the first not found) and the
+        window state after the answer."""
+        position = 0  # chunks of the conversation before this run
+        for owner, first, end in (*request.runs, *request.after):
+            lo = first + max(0, hit_chunks - position)
+            position += end - first
+            if lo < end:
+                self._put_extent(owner, lo, end)
+        if request.window is not None:
+            self.store.put(_window_key(request.window), self._payload(self.config.sizes.window_bytes))
+            self.totals.window_bytes_written += self.config.sizes.window_bytes
+
+    def _put_extent(self, owner: int, first: int, end: int) -> None:
+        extents = self._extents.setdefault(owner, {})
+        # Extents of this owner overlapping the new one are stale (a prefix before them
+        # was gone): the new one replaces them.
+        for start in [s for s, e in extents.items() if s < end and e > first]:
+            self.store.remove(_chunk_key(owner, start))
+            del extents[start]
+        extents[first] = end
+        self.store.put(_chunk_key(owner, first), self._payload((end - first) * self._chunk_size))
+        self.totals.chunk_bytes_written += (end - first) * self._chunk_size
+
+    def _extent_keys(self, runs) -> tuple[list[ObjectKey], list[tuple[int, int]]]:
+        """The stored extents that cover the runs from their start, in order, and per
+        extent (its chunks, the chunks of it the runs use)."""
+        keys, spans = [], []
+        for owner, first, end in runs:
+            extents = self._extents.get(owner)
+            position = first
+            while position < end:
+                stop = extents.get(position) if extents is not None else None
+                if stop is None:
+                    return keys, spans
+                keys.append(_chunk_key(owner, position))
+                spans.append((stop - position, min(stop, end) - position))
+                position = stop
+        return keys, spans
+
+    def sample(self) -> None:
+        stats = self.store.stats()
+        scale = self.config.shrink
+        self.samples.append(Sample(self.clock.now, dict(stats.objects),
+                                   {tier: size * scale for tier, size in stats.bytes_stored.items()},
+                                   self.totals.requests, self.totals.chunk_bytes_written,
+                                   self.totals.window_bytes_written))
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self, requests: Iterable[Request], progress: Callable[[float, int], None] | None = None) -> Result:
+        started = time.perf_counter()
+        config = self.config
+        limit = math.inf if config.hours is None else config.hours * 3600.0
+        pending: list[tuple[float, int, Request, int]] = []  # turn ends
+        next_gc, next_sample, order = config.gc_interval_s, 0.0, 0
+
+        def advance(until: float) -> None:
+            nonlocal next_gc, next_sample
+            while True:
+                t = min(pending[0][0] if pending else math.inf, next_gc, next_sample)
+                if t > until:
+                    return
+                self.clock.now = max(self.clock.now, t)
+                if pending and pending[0][0] == t:
+                    _, _, request, hit = heapq.heappop(pending)
+                    self.turn_end(request, hit)
+                elif t == next_gc:
+                    self.store.gc()
+                    next_gc += config.gc_interval_s
+                else:
+                    self.sample()
+                    next_sample += config.sample_every_s
+                    if progress is not None:
+                        progress(self.clock.now, self.totals.requests)
+
+        for request in requests:
+            if request.time_s > limit:
+                break
+            advance(request.time_s)
+            self.clock.now = max(self.clock.now, request.time_s)
+            hit, prefill = self.arrive(request)
+            service = prefill / config.prefill_tokens_per_s + request.output_tokens / config.decode_tokens_per_s
+            order += 1
+            heapq.heappush(pending, (request.time_s + service, order, request, hit))
+        end = max(self.clock.now, min(limit, pending[-1][0] if pending else self.clock.now))
+        advance(max((p[0] for p in pending), default=end) if config.hours is None else limit)
+        self.sample()
+        stats = self.store.stats()
+        return Result(config={**{k: v for k, v in asdict(config).items() if k != "sizes"},
+                              "sizes": config.sizes.as_dict()},
+                      totals=self.totals, rates=self.totals.rates(),
+                      store={"tiers": {tier: asdict(counters) for tier, counters in stats.tiers.items()},
+                             "objects": stats.objects, "bytes_stored": stats.bytes_stored, "gc_runs": stats.gc_runs},
+                      samples=self.samples, virtual_s=self.clock.now, wall_s=time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.store.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> Simulator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def simulate(config: SimConfig, requests: Iterable[Request], progress=None) -> Result:
+    with Simulator(config) as simulator:
+        return simulator.run(requests, progress)

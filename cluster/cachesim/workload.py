@@ -1,0 +1,285 @@
+"""Workloads for the retention lab: real request traces and seeded synthetic sessions.
+
+A workload is a time-ordered stream of :class:`Request`: when it arrives, its prompt's
+full chunks (``CHUNK_TOKENS`` tokens each, the store's unit) as runs of chunk ids, its
+prompt and answer lengths, and the session it belongs to (-1 when the trace does not
+say). A chunk's id is (owner, index): two requests share a chunk exactly when they share
+the prompt prefix up to its end. Streams are generators: a synthetic workload of a
+million sessions is never held in memory.
+
+- :func:`mooncake` reads the Mooncake traces (FAST '25; one JSON object per line with
+  ``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``), with
+  ``stretch`` (timestamps x k) and ``tile`` (n copies one after another, fresh block ids
+  except the shared roots: block ids that start more than one request, like a system
+  prompt, stay shared across copies).
+- :func:`synthetic` draws sessions from a :class:`Profile` (``chat``, ``agent``,
+  ``mixed``, or any JSON/YAML file of its fields): arrivals with a daily cycle, a
+  lognormal number of turns, a prompt that grows by each answer and the next message,
+  gaps of seconds (tool calls) or minutes (people), returns after hours (some past 72 h),
+  shared system prompts drawn from a Zipf law, and forks (a turn that continues an
+  earlier point of its session).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import heapq
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+TRACES = Path(__file__).resolve().parents[2] / "configs" / "traces"
+CONVERSATION_TRACE = TRACES / "mooncake_conversation_trace.jsonl.gz"
+SYNTHETIC_TRACE = TRACES / "mooncake_synthetic_trace.jsonl.gz"
+BLOCK_TOKENS = 512  # a Mooncake hash id stands for 512 tokens
+CHUNK_TOKENS = 128  # the store's chunk: four per trace block
+
+
+Run = tuple[int, int, int]  # (owner, first index, end index): the chunks (owner, i), first <= i < end
+WindowId = tuple[int, int]  # (owner of the last token before it, its position in tokens)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request.
+
+    runs: its prompt's full chunks, in order, as runs.
+    after: the chunks its answer completes (the conversation's full chunks after the
+        answer that are not the prompt's), as runs.
+    window: the window state stored after the answer.
+    resume: the window state its prompt continues from (an earlier turn's end), if any.
+    """
+
+    time_s: float
+    runs: tuple[Run, ...]
+    input_tokens: int
+    output_tokens: int
+    session: int = -1
+    after: tuple[Run, ...] = ()
+    window: WindowId | None = None
+    resume: WindowId | None = None
+
+    @property
+    def chunks(self) -> int:
+        return sum(end - first for _, first, end in self.runs)
+
+    def chunk_ids(self) -> list[tuple[int, int]]:
+        return [(owner, i) for owner, first, end in self.runs for i in range(first, end)]
+
+
+# ---------------------------------------------------------------------- traces
+
+
+def mooncake(path: str | Path, stretch: float = 1.0, tile: int = 1) -> Iterator[Request]:
+    """The requests of a Mooncake trace, in time order (see the module docstring)."""
+    if stretch <= 0 or tile < 1:
+        raise ValueError("stretch must be positive and tile at least 1")
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not rows:
+        return
+    firsts: dict[int, int] = {}
+    for row in rows:
+        if row["hash_ids"]:
+            firsts[row["hash_ids"][0]] = firsts.get(row["hash_ids"][0], 0) + 1
+    roots = {block for block, count in firsts.items() if count > 1}
+    span = max(block for row in rows for block in row["hash_ids"]) + 1
+    duration_s = (max(row["timestamp"] for row in rows) + 1) / 1000.0
+    per_block = BLOCK_TOKENS // CHUNK_TOKENS
+    for copy in range(tile):
+        offset = copy * span
+        for n, row in enumerate(rows):
+            ids = row["hash_ids"]
+            prompt, output = int(row["input_length"]), int(row["output_length"])
+            full = prompt // CHUNK_TOKENS  # the last block may be partial
+            runs = tuple((b if (b in roots and i == 0) else b + offset, 0, min(per_block, full - i * per_block))
+                         for i, b in enumerate(ids) if full > i * per_block)
+            # The answer is this request's own: no later request of the trace holds it.
+            own = -2 - (copy * len(rows) + n)
+            end = prompt + output
+            after = ((own, full, end // CHUNK_TOKENS),) if end // CHUNK_TOKENS > full else ()
+            yield Request((copy * duration_s + row["timestamp"] / 1000.0) * stretch, runs, prompt, output,
+                          after=after, window=(own, end))
+
+
+# ---------------------------------------------------------------------- synthetic sessions
+
+
+class LogNormal(BaseModel):
+    """A lognormal by its median and the sigma of its log."""
+
+    model_config = ConfigDict(extra="forbid")
+    median: float = Field(gt=0)
+    sigma: float = Field(ge=0)
+
+    def draw(self, rng: np.random.Generator) -> float:
+        return float(self.median * math.exp(self.sigma * rng.standard_normal()))
+
+
+class Profile(BaseModel):
+    """Every parameter of a synthetic workload (times in seconds unless named)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "custom"
+    sessions: int = Field(1000, ge=1)
+    hours: float = Field(24.0, gt=0, description="session starts spread over this many hours")
+    daily_amplitude: float = Field(0.5, ge=0, lt=1, description="arrival rate x (1 + a sin(2 pi t / 24 h))")
+    turns: LogNormal = LogNormal(median=4, sigma=0.8)
+    max_turns: int = Field(200, ge=1)
+    first_message_tokens: LogNormal = LogNormal(median=600, sigma=1.0)
+    message_tokens: LogNormal = LogNormal(median=120, sigma=1.0)
+    output_tokens: LogNormal = LogNormal(median=350, sigma=0.8)
+    tool_share: float = Field(0.0, ge=0, le=1, description="turns whose gap is a tool call")
+    tool_gap_s: LogNormal = LogNormal(median=3, sigma=0.7)
+    human_gap_s: LogNormal = LogNormal(median=90, sigma=1.2)
+    return_share: float = Field(0.15, ge=0, le=1, description="turns after which the user comes back hours later")
+    return_gap_hours: LogNormal = LogNormal(median=8, sigma=1.3)
+    system_prompts: int = Field(50, ge=1)
+    system_zipf: float = Field(1.1, gt=1)
+    system_tokens: LogNormal = LogNormal(median=1500, sigma=0.6)
+    fork_share: float = Field(0.03, ge=0, le=1, description="turns that continue an earlier point of the session")
+    max_prompt_tokens: int = Field(131072, ge=CHUNK_TOKENS)
+    seed: int = 0
+
+    @classmethod
+    def named(cls, name: str, **overrides) -> Profile:
+        if name not in PROFILES:
+            raise ValueError(f"unknown profile {name!r}; expected one of {', '.join(PROFILES)}")
+        return cls.model_validate({**PROFILES[name], "name": name, **overrides})
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides) -> Profile:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        base = PROFILES.get(data.get("profile", ""), {})
+        data.pop("profile", None)
+        return cls.model_validate({**base, **data, **overrides})
+
+
+# Chat: people, minutes between turns. Agent: tool loops, seconds between turns, long
+# growing prompts, more returns. Mixed: both kinds of session in one stream.
+PROFILES: dict[str, dict] = {
+    "chat": {"tool_share": 0.0, "turns": {"median": 4, "sigma": 0.8}, "return_share": 0.10},
+    "agent": {"tool_share": 0.85, "turns": {"median": 20, "sigma": 0.9}, "first_message_tokens":
+              {"median": 2000, "sigma": 1.0}, "message_tokens": {"median": 400, "sigma": 1.2},
+              "output_tokens": {"median": 150, "sigma": 0.9}, "return_share": 0.02, "fork_share": 0.05},
+    "mixed": {"tool_share": 0.5, "turns": {"median": 8, "sigma": 1.0}, "return_share": 0.06},
+}
+
+
+def _owner(*parts: int) -> int:
+    """A 62-bit owner id for a synthetic prompt part (apart from small trace ids)."""
+    digest = hashlib.blake2b(b"".join(p.to_bytes(8, "little", signed=True) for p in parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2 | 1 << 61
+
+
+@dataclass
+class _Session:
+    index: int
+    turns_left: int
+    system: int  # which system prompt
+    system_tokens: int
+    lineage: list[tuple[int, int]]  # (owner, first token it owns), by position
+    tokens: int  # prompt length of the next turn (system + history + new message)
+    ends: list[tuple[int, tuple[tuple[int, int], ...]]]  # each earlier turn's end and lineage, for forks
+    branches: int = 0
+    resume: WindowId | None = None
+
+
+def _zipf_table(n: int, s: float) -> np.ndarray:
+    weights = 1.0 / np.arange(1, n + 1) ** s
+    return np.cumsum(weights / weights.sum())
+
+
+def synthetic(profile: Profile) -> Iterator[Request]:
+    """The requests of ``profile``'s sessions, in time order (seeded: the same profile
+    gives the same stream)."""
+    rng = np.random.default_rng(profile.seed)
+    zipf = _zipf_table(profile.system_prompts, profile.system_zipf)
+    system_lengths = [max(1, int(profile.system_tokens.draw(rng))) for _ in range(profile.system_prompts)]
+    starts = _arrivals(rng, profile.sessions, profile.hours * 3600.0, profile.daily_amplitude)
+    heap: list[tuple[float, int, _Session]] = []
+    for index, start in enumerate(starts):
+        system = int(np.searchsorted(zipf, rng.random()))
+        tokens = system_lengths[system]
+        # The chunks wholly inside the system prompt are shared by every session using it.
+        lineage = [(_owner(-1, system), 0), (_owner(index, 0), tokens)]
+        turns = min(profile.max_turns, max(1, round(profile.turns.draw(rng))))
+        session = _Session(index, turns, system, tokens, lineage,
+                           tokens + max(1, int(profile.first_message_tokens.draw(rng))), [])
+        heap.append((float(start), index, session))
+    heapq.heapify(heap)
+    while heap:
+        time_s, _, s = heapq.heappop(heap)
+        prompt = min(s.tokens, profile.max_prompt_tokens)
+        output = max(1, int(profile.output_tokens.draw(rng)))
+        end = prompt + output
+        yield Request(time_s, _runs(s.lineage, 0, prompt // CHUNK_TOKENS), prompt, output, s.index,
+                      _runs(s.lineage, prompt // CHUNK_TOKENS, end // CHUNK_TOKENS), _window(s.lineage, end),
+                      s.resume)
+        s.turns_left -= 1
+        if s.turns_left <= 0:
+            continue
+        grown = end
+        s.ends.append((grown, tuple(s.lineage)))
+        if len(s.ends) > 1 and rng.random() < profile.fork_share:
+            # Continue from an earlier turn's end, on a new branch from there on.
+            grown, lineage = s.ends[int(rng.integers(0, len(s.ends) - 1))]
+            s.branches += 1
+            s.lineage = [(owner, first) for owner, first in lineage if first < grown]
+            s.lineage.append((_owner(s.index, s.branches), grown))
+        s.resume = _window(s.lineage, grown)
+        s.tokens = grown + max(1, int(profile.message_tokens.draw(rng)))
+        if rng.random() < profile.return_share:
+            gap = 3600.0 * profile.return_gap_hours.draw(rng)
+        elif rng.random() < profile.tool_share:
+            gap = profile.tool_gap_s.draw(rng)
+        else:
+            gap = profile.human_gap_s.draw(rng)
+        heapq.heappush(heap, (time_s + gap, s.index, s))
+
+
+def _arrivals(rng: np.random.Generator, n: int, span_s: float, amplitude: float) -> np.ndarray:
+    """``n`` sorted start times in ``[0, span_s)`` from a rate ``1 + a sin(2 pi t / day)``
+    (thinning)."""
+    out = np.empty(0)
+    while out.size < n:
+        t = rng.uniform(0, span_s, size=2 * (n - out.size) + 16)
+        keep = rng.uniform(0, 1 + amplitude, size=t.size) < 1 + amplitude * np.sin(2 * np.pi * t / 86400.0)
+        out = np.concatenate([out, t[keep]])
+    return np.sort(out[:n])
+
+
+def _owner_of(lineage: list[tuple[int, int]], token: int) -> int:
+    """The owner of the token at ``token`` (the segment it falls in)."""
+    owner = lineage[0][0]
+    for candidate, first in lineage:
+        if first > token:
+            break
+        owner = candidate
+    return owner
+
+
+def _runs(lineage: list[tuple[int, int]], lo: int, hi: int) -> tuple[Run, ...]:
+    """Chunks ``lo <= i < hi`` of a lineage as runs. A chunk belongs to the owner of its
+    last token (that owner's id stands for the whole prefix up to it): a segment owning
+    tokens ``[first, next)`` owns the chunks ``[first // C, next // C)``."""
+    runs = []
+    for k, (owner, first) in enumerate(lineage):
+        start = max(lo, first // CHUNK_TOKENS)
+        end = min(hi, lineage[k + 1][1] // CHUNK_TOKENS if k + 1 < len(lineage) else hi)
+        if end > start:
+            runs.append((owner, start, end))
+    return tuple(runs)
+
+
+def _window(lineage: list[tuple[int, int]], end: int) -> WindowId:
+    return (_owner_of(lineage, end - 1), end)

@@ -1,0 +1,88 @@
+"""The retention lab's simulator: the real store's policy decides, on a virtual clock.
+
+Hand-made sessions whose outcome follows from the policy alone (window TTL, chunk
+retention, RAM capacity, V4's persisted windows), and the two modes (real files, sizes
+only) giving identical counters on the same trace slice."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cluster.cachesim.simulate import SimConfig, simulate
+from cluster.cachesim.sizes import Sizes
+from cluster.cachesim.workload import CHUNK_TOKENS, CONVERSATION_TRACE, Request, mooncake
+
+SIZES = Sizes("test", CHUNK_TOKENS, chunk_bytes=1000, window_bytes=5000, persist_windows=False, source="test")
+V4 = Sizes("test-v4", CHUNK_TOKENS, chunk_bytes=4000, window_bytes=5000, persist_windows=True, source="test")
+OWNER = 7
+
+
+def _turns(*times_s: float, first: int = 610, answer: int = 100, message: int = 200):
+    """One session's turns at these times: each prompt holds the last, its answer and a message."""
+    requests, prompt, resume = [], first, None
+    for time_s in times_s:
+        end = prompt + answer
+        requests.append(Request(time_s, ((OWNER, 0, prompt // CHUNK_TOKENS),), prompt, answer, 0,
+                                ((OWNER, prompt // CHUNK_TOKENS, end // CHUNK_TOKENS),), (OWNER, end), resume))
+        resume, prompt = (OWNER, end), end + message
+    return requests
+
+
+def _run(requests, sizes=SIZES, **overrides):
+    config = SimConfig(sizes, **{"ram_bytes": 10**9, "decode_tokens_per_s": 1e9, "prefill_tokens_per_s": 1e9,
+                                 **overrides})
+    return simulate(config, requests)
+
+
+def test_the_next_turn_within_the_window_ttl_resumes_exactly():
+    result = _run(_turns(0.0, 60.0))
+    totals = result.totals
+    # Turn 2's prompt: turn 1's 610 tokens + 100 answered + 200 new = 910; its chunks up
+    # to 710 tokens (5 of 128) were stored, and the window state after 710.
+    assert totals.hit_tokens_ram == 5 * CHUNK_TOKENS and totals.hit_tokens_ssd == 0
+    assert (totals.window_candidates, totals.window_hits_ram, totals.replays) == (1, 1, 0)
+    assert totals.prefill_tokens == 610 + (910 - 710)
+
+
+def test_past_the_window_ttl_the_chunks_hit_and_the_encoder_replays():
+    totals = _run(_turns(0.0, 31 * 60.0), window_ttl_minutes=30.0).totals
+    assert totals.hit_tokens_ram == 5 * CHUNK_TOKENS
+    assert (totals.window_hits_ram, totals.replays) == (0, 1)
+    assert totals.prefill_tokens == 610 + (910 - 5 * CHUNK_TOKENS)
+
+
+def test_a_full_ram_sends_reads_to_ssd_and_retention_ends_everything():
+    # RAM holds one window state only: chunks are read from SSD.
+    totals = _run(_turns(0.0, 60.0, 3 * 3600.0), ram_bytes=5000).totals
+    assert totals.hit_tokens_ram == 0 and totals.hit_tokens_ssd == (5 + 7) * CHUNK_TOKENS
+    late = _run(_turns(0.0, 73 * 3600.0)).totals
+    assert late.hit_tokens_ram + late.hit_tokens_ssd == 0 and late.window_hits_ram == 0
+
+
+def test_v4_persists_window_states_so_a_late_turn_resumes_from_ssd():
+    assert _run(_turns(0.0, 2 * 3600.0), sizes=V4).totals.window_hits_ssd == 1
+    assert _run(_turns(0.0, 2 * 3600.0), sizes=SIZES).totals.window_hits_ssd == 0
+
+
+def test_a_shorter_retention_loses_what_a_longer_one_keeps():
+    turns = _turns(0.0, 5 * 3600.0)
+    assert _run(turns, chunk_retention_hours=4.0).totals.hit_tokens_ram == 0
+    assert _run(turns, chunk_retention_hours=6.0).totals.hit_tokens_ram == 5 * CHUNK_TOKENS
+
+
+@pytest.mark.parametrize("persist", [False, True])
+def test_exact_and_scale_modes_give_identical_counters(persist):
+    sizes = Sizes("t", CHUNK_TOKENS, 114_040, 2_791_200, persist, "test")
+    requests = list(itertools.islice(mooncake(CONVERSATION_TRACE, stretch=40), 400))
+    results = [_run(requests, sizes=sizes, mode=mode, shrink=1000, ram_bytes=1 << 30, ssd_bytes=4 << 30,
+                    chunk_retention_hours=2.0, window_ttl_minutes=20.0, hours=6.0)
+               for mode in ("exact", "scale")]
+    exact, scale = results
+    assert exact.totals == scale.totals and exact.store == scale.store
+    assert [(s.objects, s.bytes) for s in exact.samples] == [(s.objects, s.bytes) for s in scale.samples]
+    # Every policy path was taken: RAM and SSD hits, evictions, expirations.
+    tiers = exact.store["tiers"]
+    assert exact.totals.hit_tokens_ram and exact.totals.hit_tokens_ssd
+    assert tiers["ram"]["evictions"] and tiers["ssd"]["evictions"] and tiers["ssd"]["expirations"]
