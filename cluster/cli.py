@@ -19,8 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "params": ("cluster.commands.params", "count the model built on the meta device"),
     "forward": ("cluster.commands.forward", "reference full-sequence logits for token-id lists"),
     "generate": ("cluster.commands.generate", "generate with the engine (prefill, replay, batched decode)"),
+    "cache-sim": ("cluster.commands.cache_sim", "the retention lab: workloads through the real store policy on a virtual clock"),
     "bench": ("cluster.bench", "side-by-side measurements, printed as a table"),
     "train-small": ("cluster.commands.train_small", "train the shipped small checkpoint (progress bar, resumable)"),
+    "train-tools": ("cluster.commands.train_tools", "fine-tune a checkpoint to call tools (synthetic set, corpus replay)"),
     "train-drafter": ("cluster.commands.train_drafter", "train a checkpoint's DSpark drafter on its frozen backbone, calibrate it"),
 }
 
@@ -68,4 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main, not this __main__ copy's: the commands raise
+    # cluster.cli.UserError, which must be the class caught.
+    from cluster import cli
+
+    sys.exit(cli.main())

@@ -81,8 +81,12 @@ class TieredStore:
     """Host RAM + SSD + Redis for one node and one model fingerprint. Thread-safe."""
 
     def __init__(self, config: StoreConfig, fingerprint: Fingerprint, *,
-                 clock: Callable[[], float] = time.time, ssd_write: WriteFile = write_all) -> None:
+                 clock: Callable[[], float] = time.time, ssd_write: WriteFile = write_all,
+                 on_drop: Callable[[ObjectKey, Location], None] | None = None) -> None:
+        """``on_drop``: told of every copy a tier lets go (evicted, expired, corrupt,
+        removed), with where it was."""
         self.config = config
+        self._on_drop = on_drop
         self._policy = config.retention
         # Seconds per tier and kind (None: that kind is never stored in that tier).
         self._retention = {tier: {kind: self._policy.retention_s(kind, tier) for kind in Kind} for tier in TierName}
@@ -127,6 +131,8 @@ class TieredStore:
         def on_drop(key: ObjectKey) -> None:
             if self._publisher is not None:
                 self._publisher.removed(key, location)
+            if self._on_drop is not None:
+                self._on_drop(key, location)
         return on_drop
 
     def _publish(self, key: ObjectKey, location: Location) -> None:

@@ -8,10 +8,14 @@ looked for), its turn ends (service time from a stated prefill and decode rate: 
 chunks the conversation completed and its window state are stored), GC runs (every
 ``gc_interval_s`` of virtual time), and the tiers' contents are sampled.
 
-Objects are extents: the chunks of one owner that one turn stores together are one
-object of their summed size (under LRU and TTL, chunks written and read together share
-one last-use time, so this saves work without changing a decision, except that reading
-part of an extent refreshes all of it: counted as ``partial_extent_reads``).
+Objects are extents: the chunks of one owner that are written or read together are one
+object of their summed size. Under LRU and TTL, chunks used together share one last-use
+time and one place in the LRU order, so an extent decides as its chunks would, with
+far fewer objects: a turn's new chunks join the extents it read whole just before them
+(one object per conversation and owner, rewritten: the store's own put counters count
+those rewrites; ``chunk_bytes_written`` counts new chunks only). Two approximations:
+reading part of an extent refreshes all of it (counted: ``partial_extent_reads``), and
+an extent is evicted whole.
 
 Modes: ``exact`` stores real payloads (sizes divided by ``shrink``) in files under a
 temporary directory; ``scale`` keeps sizes only (``SizedSsdTier``: the same policy
@@ -53,7 +57,7 @@ class SimConfig:
     mode: str = "scale"  # or "exact"
     shrink: int = 1  # object sizes (and capacities) divided by this (exact mode keeps files small)
     prefill_tokens_per_s: float = 20_000.0  # service time of a turn: prefill ...
-    decode_tokens_per_s: float = 50.0  # ... then the answer
+    decode_tokens_per_s: float = 50.0  # ... then the answer (a synthetic profile's rates: the same)
     sample_every_s: float = 3600.0
     hours: float | None = None  # stop after this much virtual time (None: the whole workload)
 
@@ -152,7 +156,7 @@ class Simulator:
         root = Path(directory if directory is not None else self._tmp.name)
         store_config = StoreConfig(node_id="sim", ssd_dir=root / "ssd", retention=config.policy(), gc_thread=False,
                                    write_behind=False, ssd_sizes_only=config.mode == "scale")
-        self.store = TieredStore(store_config, FINGERPRINT, clock=self.clock)
+        self.store = TieredStore(store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped)
         self.totals = Totals()
         self.samples: list[Sample] = []
         # Extents written, per owner: first chunk index -> end index (an extent may have
@@ -161,15 +165,25 @@ class Simulator:
         self._chunk_size = config.sizes.chunk_bytes
         self._window_size = max(1, config.sizes.window_bytes // config.shrink)
 
+    def _dropped(self, key: ObjectKey, location) -> None:
+        """An extent that left the SSD (which holds every chunk RAM holds) is gone: forget it."""
+        if key.kind is Kind.CHUNK and location.tier is TierName.SSD:
+            owner, first, _ = _KEY.unpack(key.digest)
+            extents = self._extents.get(owner)
+            if extents is not None:
+                extents.pop(first, None)
+                if not extents:
+                    del self._extents[owner]
+
     def _payload(self, size: int) -> bytes:
         size = max(1, size // self.config.shrink)
         return SizedPayload(size) if self.config.mode == "scale" else bytes(size)
 
     # -- events ------------------------------------------------------------------------
 
-    def arrive(self, request: Request) -> tuple[int, int]:
+    def arrive(self, request: Request) -> tuple[int, int, list[tuple[int, int, int]]]:
         """Look up and read the request's stored prefix and window state; returns
-        (chunks found, tokens it must prefill)."""
+        (chunks found, tokens it must prefill, the extents found as (owner, first, end))."""
         keys, spans = self._extent_keys(request.runs)
         match = self.store.lookup_prefix(keys)
         found = match.hits
@@ -177,9 +191,12 @@ class Simulator:
             self.store.get_many([hit.key for hit in found])
         totals = self.totals
         chunks = {TierName.RAM: 0, TierName.SSD: 0}
+        extents = []
         for hit, span in zip(found, spans):
             chunks[hit.locations[0].tier] += span[1]
             totals.partial_extent_reads += span[1] < span[0]
+            owner, first, _ = _KEY.unpack(hit.key.digest)
+            extents.append((owner, first, first + span[0]))
         hit_chunks = chunks[TierName.RAM] + chunks[TierName.SSD]
         totals.requests += 1
         totals.input_tokens += request.input_tokens
@@ -189,7 +206,7 @@ class Simulator:
         totals.requests_hit_ssd += chunks[TierName.SSD] > 0
         resume_at = hit_chunks * CHUNK_TOKENS
         resume = request.resume
-        if resume is not None and hit_chunks >= resume[1] // CHUNK_TOKENS and resume[1] > resume_at:
+        if resume is not None and hit_chunks >= resume[1] // CHUNK_TOKENS and resume[1] >= resume_at:
             totals.window_candidates += 1
             key = _window_key(resume)
             where = self.store.lookup_prefix([key]).hits
@@ -205,31 +222,38 @@ class Simulator:
             totals.replays += resume_at < request.input_tokens  # resuming after chunks: replay the window
         prefill = request.input_tokens - resume_at
         totals.prefill_tokens += prefill
-        return hit_chunks, prefill
+        return hit_chunks, prefill, extents
 
-    def turn_end(self, request: Request, hit_chunks: int) -> None:
+    def turn_end(self, request: Request, hit_chunks: int, found: list[tuple[int, int, int]] = ()) -> None:
         """Store the chunks the conversation completed (from the first not found) and the
-        window state after the answer."""
+        window state after the answer. The new chunks of an owner join the extents of that
+        owner read whole just before them (all were used now: one last-use time), so a
+        conversation stays one object per owner."""
         position = 0  # chunks of the conversation before this run
         for owner, first, end in (*request.runs, *request.after):
             lo = first + max(0, hit_chunks - position)
             position += end - first
-            if lo < end:
-                self._put_extent(owner, lo, end)
+            if lo >= end:
+                continue
+            start = lo
+            for extent_owner, extent_first, extent_end in reversed(found):
+                if extent_owner != owner or extent_end != start:
+                    break
+                start = extent_first
+            self._put_extent(owner, start, end, new=end - lo)
         if request.window is not None:
             self.store.put(_window_key(request.window), self._payload(self.config.sizes.window_bytes))
             self.totals.window_bytes_written += self.config.sizes.window_bytes
 
-    def _put_extent(self, owner: int, first: int, end: int) -> None:
-        extents = self._extents.setdefault(owner, {})
+    def _put_extent(self, owner: int, first: int, end: int, new: int) -> None:
         # Extents of this owner overlapping the new one are stale (a prefix before them
         # was gone): the new one replaces them.
-        for start in [s for s, e in extents.items() if s < end and e > first]:
-            self.store.remove(_chunk_key(owner, start))
-            del extents[start]
-        extents[first] = end
+        for start in [s for s, e in self._extents.get(owner, {}).items() if s < end and e > first]:
+            self.store.remove(_chunk_key(owner, start))  # (the drop callback forgets it)
+            self._extents.get(owner, {}).pop(start, None)
+        self._extents.setdefault(owner, {})[first] = end
         self.store.put(_chunk_key(owner, first), self._payload((end - first) * self._chunk_size))
-        self.totals.chunk_bytes_written += (end - first) * self._chunk_size
+        self.totals.chunk_bytes_written += new * self._chunk_size
 
     def _extent_keys(self, runs) -> tuple[list[ObjectKey], list[tuple[int, int]]]:
         """The stored extents that cover the runs from their start, in order, and per
@@ -261,7 +285,7 @@ class Simulator:
         started = time.perf_counter()
         config = self.config
         limit = math.inf if config.hours is None else config.hours * 3600.0
-        pending: list[tuple[float, int, Request, int]] = []  # turn ends
+        pending: list[tuple] = []  # turn ends: (time, order, request, chunks found, extents found)
         next_gc, next_sample, order = config.gc_interval_s, 0.0, 0
 
         def advance(until: float) -> None:
@@ -272,8 +296,8 @@ class Simulator:
                     return
                 self.clock.now = max(self.clock.now, t)
                 if pending and pending[0][0] == t:
-                    _, _, request, hit = heapq.heappop(pending)
-                    self.turn_end(request, hit)
+                    _, _, request, hit, found = heapq.heappop(pending)
+                    self.turn_end(request, hit, found)
                 elif t == next_gc:
                     self.store.gc()
                     next_gc += config.gc_interval_s
@@ -288,10 +312,10 @@ class Simulator:
                 break
             advance(request.time_s)
             self.clock.now = max(self.clock.now, request.time_s)
-            hit, prefill = self.arrive(request)
+            hit, prefill, found = self.arrive(request)
             service = prefill / config.prefill_tokens_per_s + request.output_tokens / config.decode_tokens_per_s
             order += 1
-            heapq.heappush(pending, (request.time_s + service, order, request, hit))
+            heapq.heappush(pending, (request.time_s + service, order, request, hit, found))
         end = max(self.clock.now, min(limit, pending[-1][0] if pending else self.clock.now))
         advance(max((p[0] for p in pending), default=end) if config.hours is None else limit)
         self.sample()

@@ -146,6 +146,11 @@ class Profile(BaseModel):
     system_tokens: LogNormal = LogNormal(median=1500, sigma=0.6)
     fork_share: float = Field(0.03, ge=0, le=1, description="turns that continue an earlier point of the session")
     max_prompt_tokens: int = Field(131072, ge=CHUNK_TOKENS)
+    # A turn's answer takes (prompt / prefill rate + answer / decode rate) at most; the
+    # next message comes that long plus its gap after the turn arrived (the simulator's
+    # service times use the same rates, so a turn never arrives before the last one ended).
+    prefill_tokens_per_s: float = Field(20000.0, gt=0)
+    decode_tokens_per_s: float = Field(50.0, gt=0)
     seed: int = 0
 
     @classmethod
@@ -244,7 +249,8 @@ def synthetic(profile: Profile) -> Iterator[Request]:
             gap = profile.tool_gap_s.draw(rng)
         else:
             gap = profile.human_gap_s.draw(rng)
-        heapq.heappush(heap, (time_s + gap, s.index, s))
+        answered = prompt / profile.prefill_tokens_per_s + output / profile.decode_tokens_per_s
+        heapq.heappush(heap, (time_s + answered + gap, s.index, s))
 
 
 def _arrivals(rng: np.random.Generator, n: int, span_s: float, amplitude: float) -> np.ndarray:

@@ -42,13 +42,16 @@ class RamTier(LocalTier):
         self._on_drop = on_drop
         self._lock = threading.Lock()
         # Keyed by digest (bytes hash fast, and digests never collide across kinds);
-        # least recently used first.
+        # least recently used first. The same entries per kind, in the same order, so
+        # that GC walks only the expired ones (one kind's retention is the same for all).
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._by_kind: dict[Kind, OrderedDict[bytes, _Entry]] = {kind: OrderedDict() for kind in Kind}
         self._bytes = 0
 
     def _pop(self, digest: bytes) -> _Entry | None:
         entry = self._entries.pop(digest, None)
         if entry is not None:
+            del self._by_kind[entry.kind][digest]
             self._bytes -= len(entry.payload)
         return entry
 
@@ -69,6 +72,7 @@ class RamTier(LocalTier):
         with self._lock:  # one lock round for the whole batch; the loop is the hot path of a RAM hit
             get = self._entries.get
             move_to_end = self._entries.move_to_end
+            by_kind = self._by_kind
             for key in keys:
                 digest = key.digest
                 entry = get(digest)
@@ -76,6 +80,7 @@ class RamTier(LocalTier):
                     if entry.expires > now:
                         entry.expires = now + entry.ttl
                         move_to_end(digest)
+                        by_kind[entry.kind].move_to_end(digest)
                         payload = entry.payload
                         append(payload)
                         hit_bytes += len(payload)
@@ -98,11 +103,12 @@ class RamTier(LocalTier):
         with self._lock:
             self._pop(key.digest)
             while self._bytes + size > self._capacity:
-                digest, old = self._entries.popitem(last=False)
-                self._bytes -= len(old.payload)
+                digest, old = next(iter(self._entries.items()))
+                self._pop(digest)
                 evicted.append(ObjectKey(old.kind, digest))
             ttl = self._ttl[key.kind]
-            self._entries[key.digest] = _Entry(key.kind, payload, ttl, now + ttl)
+            entry = _Entry(key.kind, payload, ttl, now + ttl)
+            self._entries[key.digest] = self._by_kind[key.kind][key.digest] = entry
             self._bytes += size
         self._counters.add(puts=1, bytes_written=size, evictions=len(evicted))
         for old_key in evicted:
@@ -118,9 +124,13 @@ class RamTier(LocalTier):
 
     def gc(self) -> None:
         now = self._clock()
+        expired: list[ObjectKey] = []
         with self._lock:
-            expired = [ObjectKey(entry.kind, digest) for digest, entry in self._entries.items()
-                       if entry.expires <= now]
+            for kind, entries in self._by_kind.items():
+                for digest, entry in entries.items():  # oldest first: stop at the first one still kept
+                    if entry.expires > now:
+                        break
+                    expired.append(ObjectKey(kind, digest))
             for key in expired:
                 self._pop(key.digest)
         self._counters.add(expirations=len(expired))
@@ -138,4 +148,6 @@ class RamTier(LocalTier):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+            for entries in self._by_kind.values():
+                entries.clear()
             self._bytes = 0

@@ -321,9 +321,16 @@ class SsdTier(LocalTier):
 
     def gc(self) -> None:
         now = self._clock()
+        # Least recently used first: past the first entry used within the shortest
+        # retention, nothing has expired.
+        shortest = min(r for r in self._retention.values() if r is not None)
+        expired = []
         with self._lock:
-            expired = [(digest, entry) for digest, entry in self._index.items()
-                       if now - entry.last_used > self._retention[entry.kind]]
+            for digest, entry in self._index.items():
+                if now - entry.last_used <= shortest:
+                    break
+                if now - entry.last_used > self._retention[entry.kind]:
+                    expired.append((digest, entry))
         for digest, entry in expired:
             self._drop(ObjectKey(entry.kind, digest), entry, "expirations")
         self._remove_temp_files()

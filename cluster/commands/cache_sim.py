@@ -1,0 +1,158 @@
+"""`v41 cache-sim`: the retention lab (``cluster/cachesim``).
+
+    v41 cache-sim run --trace conversation --stretch 72            # the Mooncake chat trace over 72 h
+    v41 cache-sim run --profile agent --sessions 100000 --hours 96  # synthetic agent sessions
+    v41 cache-sim run --profile my-workload.yaml --json
+
+``run`` replays a workload through the real store's policy on a virtual clock, once per
+storage policy (``--policies v41,v4``: V4.1 keeps window states in RAM for minutes; V4
+persisted them to SSD with the chunks), the policies in parallel processes, and prints
+per policy the hit rate per tier (token-weighted; request-weighted beside it), the
+window-state hit rate, how often the encoder replays, the bytes stored per tier, and the
+ratio of what V4.1 stores to what V4 stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+TRACES = {"conversation": "CONVERSATION_TRACE", "synthetic": "SYNTHETIC_TRACE"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    run = sub.add_parser("run", help="simulate a workload under the V4.1 and V4 storage policies")
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("--trace", help="conversation, synthetic (the shipped Mooncake traces) or a JSONL(.gz) path")
+    source.add_argument("--profile", help="chat, agent, mixed, or a YAML/JSON file of profile parameters")
+    run.add_argument("--sessions", type=int, default=None, help="synthetic sessions (overrides the profile)")
+    run.add_argument("--hours", type=float, default=None,
+                     help="virtual hours to simulate (synthetic: also the span of session starts)")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stretch", type=float, default=1.0, help="trace timestamps x this")
+    run.add_argument("--tile", type=int, default=1, help="chain this many copies of the trace")
+    run.add_argument("--policies", default="v41,v4", help="comma-separated: v41, v4")
+    run.add_argument("--ram-gb", type=float, default=200.0, help="host RAM pool (default: 10%% of 2 TB)")
+    run.add_argument("--ssd-tb", type=float, default=None, help="SSD capacity (default: unbounded)")
+    run.add_argument("--retention-hours", type=float, default=72.0)
+    run.add_argument("--window-ttl-min", type=float, default=30.0)
+    run.add_argument("--mode", choices=("scale", "exact"), default="scale",
+                     help="scale: sizes only; exact: real files (payloads divided by --shrink)")
+    run.add_argument("--shrink", type=int, default=None, help="divide object sizes by this (default 1; exact 1000)")
+    run.add_argument("--model", type=Path, default=None, help="config directory the sizes come from "
+                     "(default: the released V4.1-Flash config)")
+    run.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+
+
+def _workload(args: argparse.Namespace):
+    """A factory of the request stream (each policy's process builds its own)."""
+    from cluster.cachesim import workload
+
+    if args.profile is None:
+        name = args.trace or "conversation"
+        path = getattr(workload, TRACES[name]) if name in TRACES else Path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"no trace at {path}")
+        return ("trace", str(path), args.stretch, args.tile)
+    overrides = {k: v for k, v in (("sessions", args.sessions), ("hours", args.hours), ("seed", args.seed))
+                 if v is not None}
+    if args.profile in workload.PROFILES:
+        profile = workload.Profile.named(args.profile, **overrides)
+    else:
+        profile = workload.Profile.from_file(args.profile, **overrides)
+    return ("synthetic", profile.model_dump())
+
+
+def _requests(spec):
+    from cluster.cachesim import workload
+
+    if spec[0] == "trace":
+        return workload.mooncake(spec[1], stretch=spec[2], tile=spec[3])
+    return workload.synthetic(workload.Profile.model_validate(spec[1]))
+
+
+def _simulate(policy: str, config_fields: dict, spec, show_progress: bool) -> dict:
+    import torch
+
+    from cluster.cachesim import sizes as sizes_module
+    from cluster.cachesim.simulate import SimConfig, simulate
+
+    torch.set_num_threads(1)
+    model = config_fields.pop("model")
+    sizes = sizes_module.v4_flash() if policy == "v4" else (
+        sizes_module.from_config(model) if model else sizes_module.from_config())
+    config = SimConfig(sizes, **config_fields)
+    started = time.time()
+
+    def progress(now_s: float, requests: int) -> None:
+        if show_progress:
+            print(f"\r{policy}: {now_s / 3600:7.1f} virtual h | {requests:,} requests | "
+                  f"{time.time() - started:6.0f} s", end="", file=sys.stderr, flush=True)
+
+    result = simulate(config, _requests(spec), progress)
+    if show_progress:
+        print(file=sys.stderr)
+    samples = result.samples
+    stored = [sum(s.bytes.values()) for s in samples]
+    return {"policy": policy, "sizes": sizes.as_dict(), "rates": result.rates, "totals": asdict(result.totals),
+            "store": result.store, "virtual_hours": result.virtual_s / 3600, "wall_s": result.wall_s,
+            "mean_stored_bytes": sum(stored) / max(1, len(stored)),
+            "peak_stored_bytes": max(stored, default=0),
+            "samples": [asdict(s) for s in samples]}
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.cli import UserError
+
+    started = time.time()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies or set(policies) - {"v41", "v4"}:
+        raise UserError("--policies takes v41 and/or v4")
+    try:
+        spec = _workload(args)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        raise UserError(str(error)) from None
+    shrink = args.shrink if args.shrink is not None else (1000 if args.mode == "exact" else 1)
+    fields = {"ram_bytes": int(args.ram_gb * 2**30), "ssd_bytes": None if args.ssd_tb is None else int(args.ssd_tb * 1e12),
+              "chunk_retention_hours": args.retention_hours, "window_ttl_minutes": args.window_ttl_min,
+              "mode": args.mode, "shrink": shrink, "hours": args.hours,
+              "model": str(args.model) if args.model else None}
+    with ProcessPoolExecutor(max_workers=len(policies)) as pool:
+        futures = [pool.submit(_simulate, policy, dict(fields), spec, i == 0) for i, policy in enumerate(policies)]
+        results = {policy: future.result() for policy, future in zip(policies, futures)}
+    first = next(iter(results.values()))
+    report = {"workload": spec[0] if spec[0] == "trace" else "synthetic",
+              "source": spec[1] if spec[0] == "trace" else spec[1]["name"],
+              "sessions": spec[1]["sessions"] if spec[0] == "synthetic" else None,
+              "requests": first["totals"]["requests"], "virtual_hours": round(first["virtual_hours"], 2),
+              "wall_s": round(time.time() - started, 1), "mode": args.mode, "shrink": shrink,
+              "policies": {policy: {key: value for key, value in r.items() if key != "samples"}
+                           for policy, r in results.items()}}
+    if {"v41", "v4"} <= set(results):
+        report["stored_bytes_v41_over_v4"] = round(results["v41"]["mean_stored_bytes"] /
+                                                   max(1.0, results["v4"]["mean_stored_bytes"]), 4)
+    _print_table(report)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _print_table(report: dict) -> None:
+    print(f"v41 cache-sim run: {report['workload']} {report['source']}, {report['requests']:,} requests, "
+          f"{report['virtual_hours']} virtual h, {report['wall_s']} s ({report['mode']} mode)")
+    print(f"{'policy':<7} {'hit RAM':>8} {'hit SSD':>8} {'hit':>7} {'req RAM':>8} {'req SSD':>8} {'window':>7} "
+          f"{'replay':>7} {'mean stored':>12} {'peak stored':>12}")
+    for policy, r in report["policies"].items():
+        rates = r["rates"]
+        print(f"{policy:<7} {rates['hit_rate_ram']:>8.3f} {rates['hit_rate_ssd']:>8.3f} {rates['hit_rate']:>7.3f} "
+              f"{rates['request_hit_rate_ram']:>8.3f} {rates['request_hit_rate_ssd']:>8.3f} "
+              f"{rates['window_hit_rate']:>7.3f} {rates['replay_rate']:>7.3f} "
+              f"{r['mean_stored_bytes'] / 1e9:>10.1f}GB {r['peak_stored_bytes'] / 1e9:>10.1f}GB")
+    if "stored_bytes_v41_over_v4" in report:
+        print(f"stored bytes, V4.1 / V4 (time mean): {report['stored_bytes_v41_over_v4']:.3f}")
