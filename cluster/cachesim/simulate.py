@@ -316,8 +316,8 @@ class Simulator:
             service = prefill / config.prefill_tokens_per_s + request.output_tokens / config.decode_tokens_per_s
             order += 1
             heapq.heappush(pending, (request.time_s + service, order, request, hit, found))
-        end = max(self.clock.now, min(limit, pending[-1][0] if pending else self.clock.now))
-        advance(max((p[0] for p in pending), default=end) if config.hours is None else limit)
+        # The turns still running end; with --hours, the clock runs on to the limit (GC, samples).
+        advance(limit if config.hours is not None else max((p[0] for p in pending), default=self.clock.now))
         self.sample()
         stats = self.store.stats()
         return Result(config={**{k: v for k, v in asdict(config).items() if k != "sizes"},
