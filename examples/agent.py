@@ -4,105 +4,58 @@
     python examples/agent.py "How many public names does the json module define?"
     python examples/agent.py --tasks                # the built-in tasks, with a success rate
 
-The model gets four tools over the Python standard library (read a module's source, list
-its public names, evaluate arithmetic, search a module's source) and runs them in a loop:
-each answer's tool calls are executed here, their results sent back as ``tool``
-messages, until an answer calls no tool (or ``--max-steps``). The trace is printed.
+The model gets six tools of ``cluster.stdlib_tools`` (count a module's public names or
+source lines, whether it defines a name, its docstring, arithmetic, primality), executed
+here, and runs them in a loop: each answer's tool calls are executed, their results sent
+back as ``tool`` messages, until an answer calls no tool (or ``--max-steps``). The trace
+is printed.
 ``--first-call required`` forces a tool call on the first step (constrained decoding);
 later steps are ``auto``.
 
-The tasks have answers computed here, from the same standard library; a task succeeds
-when the final answer contains that answer.
+The tasks have answers computed here, from the same standard library, about modules the
+shipped small model's tool fine-tune held out; a task succeeds when the final answer
+contains the answer(s) as whole words.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
-import inspect
 import json
-import operator
+import re
 import sys
 
 import openai
 
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "list_names", "description": "The public names a standard-library module defines",
-        "parameters": {"type": "object", "properties": {"module": {"type": "string"}}, "required": ["module"]}}},
-    {"type": "function", "function": {
-        "name": "read_source", "description": "The first lines of a standard-library module's source",
-        "parameters": {"type": "object", "properties": {"module": {"type": "string"},
-                                                        "lines": {"type": "integer", "minimum": 1, "maximum": 200}},
-                       "required": ["module"]}}},
-    {"type": "function", "function": {
-        "name": "calculate", "description": "The value of an arithmetic expression (+ - * / // % **)",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}},
-    {"type": "function", "function": {
-        "name": "search_source", "description": "Lines of a module's source that contain a text",
-        "parameters": {"type": "object", "properties": {"module": {"type": "string"}, "text": {"type": "string"}},
-                       "required": ["module", "text"]}}},
-]
+from cluster.stdlib_tools import HELD_OUT_MODULES, run_tool, tools
 
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-              ast.USub: operator.neg, ast.UAdd: operator.pos}
+# The tools offered on every step (the shipped small model was fine-tuned on 2 to 6
+# offered tools, among 28: `v41 train-tools`).
+TOOLS = tools("count_names", "count_lines", "calculate", "has_name", "module_doc", "is_prime")
 
 
-def _arithmetic(node: ast.AST) -> float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        right = _arithmetic(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:
-            raise ValueError("exponent too large")
-        return _OPERATORS[type(node.op)](_arithmetic(node.left), right)
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_arithmetic(node.operand))
-    raise ValueError("only numbers and + - * / // % ** are allowed")
+def tasks() -> list[tuple[str, tuple[str, ...]]]:
+    """(question, the texts the final answer must contain), computed here. The modules
+    are ones the small model's tool fine-tune held out."""
+    def run(name: str, **arguments) -> str:
+        return run_tool(name, arguments)
 
-
-def _module(name: str):
-    if name not in sys.stdlib_module_names:
-        raise ValueError(f"{name!r} is not a standard-library module")
-    return importlib.import_module(name)
-
-
-def run_tool(name: str, arguments: dict) -> str:
-    """A tool's result as text (an error is a result too: the model reads it)."""
-    try:
-        if name == "list_names":
-            module = _module(arguments["module"])
-            names = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]
-            return json.dumps(sorted(names))
-        if name == "read_source":
-            lines = inspect.getsource(_module(arguments["module"])).splitlines()
-            return "\n".join(lines[: int(arguments.get("lines", 40))])
-        if name == "calculate":
-            return str(_arithmetic(ast.parse(arguments["expression"], mode="eval").body))
-        if name == "search_source":
-            text = arguments["text"]
-            found = [line for line in inspect.getsource(_module(arguments["module"])).splitlines() if text in line]
-            return "\n".join(found[:20]) or "no line contains it"
-        return f"error: no tool named {name!r}"
-    except (KeyError, ValueError, TypeError, SyntaxError, ZeroDivisionError, OSError, ImportError) as error:
-        return f"error: {type(error).__name__}: {error}"
-
-
-def tasks() -> list[tuple[str, str]]:
-    """(question, the answer the final message must contain), computed here."""
-    def count(module: str) -> str:
-        return str(len(json.loads(run_tool("list_names", {"module": module}))))
-
+    assert {"bisect", "glob", "json", "pprint", "lzma", "html", "token", "re", "weakref"} <= set(HELD_OUT_MODULES)
+    glob_names = run("count_names", module="glob")
+    re_lines = run("count_lines", module="re")
     return [
-        ("How many public names does the json module define?", count("json")),
-        ("How many public names does the shlex module define?", count("shlex")),
-        ("What is 1234 * 5678?", run_tool("calculate", {"expression": "1234 * 5678"})),
-        ("What is (2 ** 20) - 7?", run_tool("calculate", {"expression": "(2 ** 20) - 7"})),
-        ("Is there a function named dedent in the textwrap module? Answer yes or no.", "yes"),
-        ("How many public names does the bisect module define?", count("bisect")),
+        ("How many public names does the bisect module define?", (run("count_names", module="bisect"),)),
+        ("What is (48 + 17) * 6?", (run("calculate", expression="(48 + 17) * 6"),)),
+        ("Does the json module define loads?", ("Yes",)),
+        ("How many lines of source does pprint have?", (run("count_lines", module="pprint"),)),
+        ("What is the lzma module for?", (run("module_doc", module="lzma"),)),
+        ("How many public names do html and token define?",
+         (run("count_names", module="html"), run("count_names", module="token"))),
+        ("How many public names does glob have, times 3?", (run("calculate", expression=f"{glob_names} * 3"),)),
+        ("How many source lines does re have, plus 10?", (run("calculate", expression=f"{re_lines} + 10"),)),
+        ("Is 1001 a prime number?", ("No",)),
+        ("Is 9973 prime?", ("Yes",)),
+        ("Compute 777 * 23.", (run("calculate", expression="777 * 23"),)),
+        ("Count the public names in weakref.", (run("count_names", module="weakref"),)),
     ]
 
 
@@ -155,9 +108,9 @@ def main() -> int:
         print(f"task: {question}")
         final = solve(client, model, question, args, show=True)
         if expected is not None:
-            ok = expected.lower() in final.lower()
+            ok = all(re.search(rf"(?<!\w){re.escape(text)}(?!\w)", final, re.IGNORECASE) for text in expected)
             solved += ok
-            print(f"  expected {expected!r}: {'solved' if ok else 'not solved'}")
+            print(f"  expected {' and '.join(map(repr, expected))}: {'solved' if ok else 'not solved'}")
     if args.tasks:
         print(f"solved {solved} of {len(todo)} tasks ({model}, first call {args.first_call})")
         if args.json:
