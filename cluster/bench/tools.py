@@ -41,29 +41,13 @@ def _turns(conversations):
 
 def _generate(engine, tokenizer, prompts: list[list[int]], grammars: list[str | None], max_tokens: int = 192):
     """Greedy answers: (text, whether it ended with the end token rather than at max_tokens)."""
-    from model.runtime.batcher import Batcher
+    from model.runtime.batcher import generate
     from model.runtime.sampling import SamplingParams
 
-    eos = tokenizer.special.eos
-    batcher = Batcher(engine, tokenizer, (eos,), max_batch=16)
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    ended: set[str] = set()
-    waiting = list(range(len(prompts)))
-
-    def record(event) -> None:
-        if event.token_id != eos:
-            outputs[event.request_id].append(event.token_id)
-        else:
-            ended.add(event.request_id)
-
-    while waiting or batcher.running:
-        while waiting and batcher.can_add():
-            i = waiting.pop(0)
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, grammar=grammars[i])
-            record(batcher.add(str(i), params, prompt=prompts[i]))
-        for event in batcher.step():
-            record(event)
-    return [(tokenizer.decode(outputs[str(i)]), str(i) in ended) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, grammar=grammar) for grammar in grammars]
+    outputs = generate(engine, prompts, params, (tokenizer.special.eos,), max_batch=16, tokenizer=tokenizer)
+    # The end token is not returned: an answer that ended has fewer than max_tokens tokens.
+    return [(tokenizer.decode(ids), len(ids) < max_tokens) for ids in outputs]
 
 
 def _score_call(answer: tuple[str, bool], expected, functions: dict[str, dict]) -> dict[str, bool]:

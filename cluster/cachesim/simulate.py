@@ -163,7 +163,6 @@ class Simulator:
         # left the store since; the store is asked).
         self._extents: dict[int, dict[int, int]] = {}
         self._chunk_size = config.sizes.chunk_bytes
-        self._window_size = max(1, config.sizes.window_bytes // config.shrink)
 
     def _dropped(self, key: ObjectKey, location) -> None:
         """An extent that left the SSD (which holds every chunk RAM holds) is gone: forget it."""

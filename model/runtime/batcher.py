@@ -218,27 +218,30 @@ class Batcher:
             self.on_finish(running.request_id, running.cache, running.tokens)
 
 
-def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
              eos_token_ids: tuple[int, ...] = (), max_batch: int = 64,
-             speculation: Speculation | None = None) -> list[list[int]]:
+             speculation: Speculation | None = None, tokenizer: Tokenizer | None = None) -> list[list[int]]:
     """Generate for every prompt with continuous batching; returns the new token ids.
 
-    A stop token ends a request and is not returned.
+    ``params``: one for all prompts, or one per prompt. ``tokenizer``: needed when a
+    request has a grammar. A stop token ends a request and is not returned.
     """
-    batcher = Batcher(engine, eos_token_ids=eos_token_ids, max_batch=max_batch, speculation=speculation)
+    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != len(prompts):
+        raise ValueError("give one SamplingParams, or one per prompt")
+    batcher = Batcher(engine, tokenizer, eos_token_ids=eos_token_ids, max_batch=max_batch, speculation=speculation)
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     waiting = list(range(len(prompts)))
 
-    stop_ids = set(eos_token_ids) | set(params.stop_token_ids)
-
     def record(event: TokenEvent) -> None:
-        if not (event.finish_reason == "stop" and event.token_id in stop_ids):
+        stops = set(eos_token_ids) | set(per_prompt[int(event.request_id)].stop_token_ids)
+        if not (event.finish_reason == "stop" and event.token_id in stops):
             outputs[event.request_id].append(event.token_id)
 
     while waiting or batcher.running:
         while waiting and batcher.can_add():
             i = waiting.pop(0)
-            record(batcher.add(str(i), params, prompt=prompts[i]))
+            record(batcher.add(str(i), per_prompt[i], prompt=prompts[i]))
         for event in batcher.step():
             record(event)
     return [outputs[str(i)] for i in range(len(prompts))]
