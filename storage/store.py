@@ -220,6 +220,35 @@ class TieredStore:
                     self._write_behind(keys[i], payload, to_redis=False)
         return results
 
+    def read_prefix(self, keys: Sequence[ObjectKey]) -> list[tuple[bytes, TierName]]:
+        """Read the longest prefix of ``keys`` this node holds: per key read, its payload
+        and the tier it came from. What ``lookup_prefix`` (this node's copies) and then
+        ``get_many`` of the hits do, in one pass: RAM first under one lock round, a key
+        RAM misses from the queued writes or the SSD (promoted to RAM), and the first key
+        found nowhere ends it."""
+        out: list[tuple[bytes, TierName]] = []
+        while len(out) < len(keys):
+            start = len(out)
+            rest = keys[start:] if start else keys
+            found = self._ram.get_many(rest, prefix=True)
+            out += [(payload, TierName.RAM) for payload in found]
+            if self._publisher is not None:
+                self._published_use(TierName.RAM, rest[: len(found)])
+            if len(out) == len(keys):
+                break
+            key = keys[len(out)]
+            payload = self._writer.pending(key)
+            if payload is not None:
+                out.append((payload, TierName.RAM))
+                continue
+            payload = self._ssd.get(key) if self._ssd is not None else None
+            if payload is None:
+                break
+            self._published_use(TierName.SSD, [key])
+            self._promote(key, payload)
+            out.append((payload, TierName.SSD))
+        return out
+
     def _published_use(self, tier: TierName, keys: Sequence[ObjectKey]) -> None:
         """Tell the index that copies in ``tier`` were read (their retention restarted)."""
         if self._publisher is None or not keys:

@@ -108,3 +108,29 @@ def test_the_command_compares_the_policies_on_a_trace():
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "cache-sim", "run", "--policies", "v5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--policies" in bad.stderr
+
+
+def test_a_restart_loses_ram_and_the_ssd_serves_the_next_turn():
+    requests = _turns(0.0, 60.0, 120.0)
+    kept = _run(requests, mode="exact").totals
+    assert kept.hit_tokens_ssd == 0
+    config = SimConfig(SIZES, ram_bytes=10**9, decode_tokens_per_s=1e9, prefill_tokens_per_s=1e9, mode="exact")
+    restarted = simulate(config, requests, restarts=[90.0]).totals
+    # Turn 3 (at 120 s) reads turn 2's 7 chunks: after the restart at 90 s, from SSD;
+    # the window state (RAM only) is gone: the encoder replays.
+    assert restarted.hit_tokens_ram == kept.hit_tokens_ram - 7 * CHUNK_TOKENS
+    assert restarted.hit_tokens_ssd == 7 * CHUNK_TOKENS
+    assert (restarted.window_hits_ram, restarted.replays) == (kept.window_hits_ram - 1, kept.replays + 1)
+    with pytest.raises(ValueError, match="exact mode"):
+        simulate(SimConfig(SIZES), requests, restarts=[90.0])
+
+
+def test_a_measured_turn_end_decides_when_its_chunks_are_stored():
+    import dataclasses
+
+    first, second = _turns(0.0, 60.0)
+    # The first turn ended (as measured) after the second arrived: nothing to hit yet.
+    late = _run([dataclasses.replace(first, done_s=61.0), second]).totals
+    assert late.hit_tokens_ram == 0 and late.window_hits_ram == 0
+    early = _run([dataclasses.replace(first, done_s=59.0), second]).totals
+    assert early.hit_tokens_ram == 5 * CHUNK_TOKENS and early.window_hits_ram == 1

@@ -60,6 +60,32 @@ def test_a_restarted_store_finds_what_it_wrote(tmp_path: Path) -> None:
         assert store.stats().tiers["ssd"].hits == 21
 
 
+def test_read_prefix_reads_what_lookup_then_get_many_would(tmp_path: Path) -> None:
+    """The one-pass prefix read: RAM first, then SSD (promoted), stopping at the first
+    key held nowhere; the same payloads and tiers as lookup_prefix + get_many."""
+    data = {key: payload(i) for i, key in enumerate(KEYS[:12])}
+    with local_store(tmp_path) as store:
+        for key, value in data.items():
+            store.put(key, value)
+        store.flush()
+    with local_store(tmp_path) as store:  # restarted: RAM empty, everything on SSD
+        for key in KEYS[:4]:
+            store.get(key)  # promoted back to RAM
+        store.remove(KEYS[9])  # a gap: the prefix ends before it
+        assert [hit.locations[0].tier.value for hit in store.lookup_prefix(KEYS[:12]).hits] == \
+            ["ram"] * 4 + ["ssd"] * 5
+        read = store.read_prefix(KEYS[:12])
+        assert [payload for payload, _ in read] == [data[key] for key in KEYS[:9]]
+        assert [tier.value for _, tier in read] == ["ram"] * 4 + ["ssd"] * 5
+        # The SSD hits were promoted: read again, all nine come from RAM.
+        assert [tier.value for _, tier in store.read_prefix(KEYS[:12])] == ["ram"] * 9
+        assert store.read_prefix(KEYS[20:24]) == [] and store.read_prefix([]) == []
+        ram = store.stats().tiers["ram"]
+        # RAM counts as get_many would: a miss per key it lacked (the four gets, keys 4-9
+        # in the first prefix read, key 9 in the second, key 20), a hit per key it had.
+        assert ram.hits == 4 + 9 and ram.misses == 4 + 6 + 1 + 1
+
+
 def test_files_are_named_by_key_digest_only(tmp_path: Path) -> None:
     with local_store(tmp_path) as store:
         store.put(KEYS[0], b"x")

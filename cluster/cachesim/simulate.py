@@ -146,6 +146,17 @@ def _window_key(window: WindowId) -> ObjectKey:
     return ObjectKey(Kind.WINDOW, _KEY.pack(window[0], window[1], 1))
 
 
+def _merged(runs) -> list[tuple[int, int, int]]:
+    """Runs with each one that continues the previous (same owner, next chunk) joined to it."""
+    out: list[tuple[int, int, int]] = []
+    for owner, first, end in runs:
+        if out and out[-1][0] == owner and out[-1][2] == first:
+            out[-1] = (owner, out[-1][1], end)
+        else:
+            out.append((owner, first, end))
+    return out
+
+
 class Simulator:
     """One node's store under a workload (see the module docstring)."""
 
@@ -154,14 +165,14 @@ class Simulator:
         self.clock = _Clock()
         self._tmp = tempfile.TemporaryDirectory(prefix="v41-cache-sim-") if directory is None else None
         root = Path(directory if directory is not None else self._tmp.name)
-        store_config = StoreConfig(node_id="sim", ssd_dir=root / "ssd", retention=config.policy(), gc_thread=False,
-                                   write_behind=False, ssd_sizes_only=config.mode == "scale")
-        self.store = TieredStore(store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped)
+        self._store_config = StoreConfig(node_id="sim", ssd_dir=root / "ssd", retention=config.policy(),
+                                         gc_thread=False, write_behind=False, ssd_sizes_only=config.mode == "scale")
+        self.store = TieredStore(self._store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped)
         self.totals = Totals()
         self.samples: list[Sample] = []
-        # Extents written, per owner: first chunk index -> end index (an extent may have
-        # left the store since; the store is asked).
-        self._extents: dict[int, dict[int, int]] = {}
+        # Extents written, per owner: first chunk index -> (end index, key) (an extent may
+        # have left the store since; the store is asked).
+        self._extents: dict[int, dict[int, tuple[int, ObjectKey]]] = {}
         self._chunk_size = config.sizes.chunk_bytes
 
     def _dropped(self, key: ObjectKey, location) -> None:
@@ -184,17 +195,14 @@ class Simulator:
         """Look up and read the request's stored prefix and window state; returns
         (chunks found, tokens it must prefill, the extents found as (owner, first, end))."""
         keys, spans = self._extent_keys(request.runs)
-        match = self.store.lookup_prefix(keys)
-        found = match.hits
-        if found:
-            self.store.get_many([hit.key for hit in found])
+        read = self.store.read_prefix(keys) if keys else ()
         totals = self.totals
         chunks = {TierName.RAM: 0, TierName.SSD: 0}
         extents = []
-        for hit, span in zip(found, spans):
-            chunks[hit.locations[0].tier] += span[1]
+        for (_, tier), key, span in zip(read, keys, spans):
+            chunks[tier] += span[1]
             totals.partial_extent_reads += span[1] < span[0]
-            owner, first, _ = _KEY.unpack(hit.key.digest)
+            owner, first, _ = _KEY.unpack(key.digest)
             extents.append((owner, first, first + span[0]))
         hit_chunks = chunks[TierName.RAM] + chunks[TierName.SSD]
         totals.requests += 1
@@ -207,10 +215,9 @@ class Simulator:
         resume = request.resume
         if resume is not None and hit_chunks >= resume[1] // CHUNK_TOKENS and resume[1] >= resume_at:
             totals.window_candidates += 1
-            key = _window_key(resume)
-            where = self.store.lookup_prefix([key]).hits
-            if where and self.store.get(key) is not None:
-                if where[0].locations[0].tier is TierName.RAM:
+            window = self.store.read_prefix([_window_key(resume)])
+            if window:
+                if window[0][1] is TierName.RAM:
                     totals.window_hits_ram += 1
                 else:
                     totals.window_hits_ssd += 1
@@ -229,7 +236,7 @@ class Simulator:
         owner read whole just before them (all were used now: one last-use time), so a
         conversation stays one object per owner."""
         position = 0  # chunks of the conversation before this run
-        for owner, first, end in (*request.runs, *request.after):
+        for owner, first, end in _merged((*request.runs, *request.after)):
             lo = first + max(0, hit_chunks - position)
             position += end - first
             if lo >= end:
@@ -246,12 +253,14 @@ class Simulator:
 
     def _put_extent(self, owner: int, first: int, end: int, new: int) -> None:
         # Extents of this owner overlapping the new one are stale (a prefix before them
-        # was gone): the new one replaces them.
-        for start in [s for s, e in self._extents.get(owner, {}).items() if s < end and e > first]:
-            self.store.remove(_chunk_key(owner, start))  # (the drop callback forgets it)
-            self._extents.get(owner, {}).pop(start, None)
-        self._extents.setdefault(owner, {})[first] = end
-        self.store.put(_chunk_key(owner, first), self._payload((end - first) * self._chunk_size))
+        # was gone) or grow into it: the new one replaces them.
+        extents = self._extents.get(owner)
+        if extents is not None:
+            for start in [s for s, (e, _) in extents.items() if s < end and e > first]:
+                self.store.remove(extents.pop(start)[1])  # (the drop callback may forget the owner)
+        key = _chunk_key(owner, first)
+        self._extents.setdefault(owner, {})[first] = (end, key)
+        self.store.put(key, self._payload((end - first) * self._chunk_size))
         self.totals.chunk_bytes_written += new * self._chunk_size
 
     def _extent_keys(self, runs) -> tuple[list[ObjectKey], list[tuple[int, int]]]:
@@ -262,13 +271,22 @@ class Simulator:
             extents = self._extents.get(owner)
             position = first
             while position < end:
-                stop = extents.get(position) if extents is not None else None
-                if stop is None:
+                extent = extents.get(position) if extents is not None else None
+                if extent is None:
                     return keys, spans
-                keys.append(_chunk_key(owner, position))
+                stop, key = extent
+                keys.append(key)
                 spans.append((stop - position, min(stop, end) - position))
                 position = stop
         return keys, spans
+
+    def restart(self) -> None:
+        """The node's store restarts: what RAM held is gone, the SSD tier reopens on its
+        files (exact mode: scale mode keeps no files to reopen)."""
+        if self.config.mode != "exact":
+            raise ValueError("a restart needs the exact mode (the SSD tier reopens its files)")
+        self.store.close()
+        self.store = TieredStore(self._store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped)
 
     def sample(self) -> None:
         stats = self.store.stats()
@@ -280,21 +298,28 @@ class Simulator:
 
     # -- the loop ----------------------------------------------------------------------
 
-    def run(self, requests: Iterable[Request], progress: Callable[[float, int], None] | None = None) -> Result:
+    def run(self, requests: Iterable[Request], progress: Callable[[float, int], None] | None = None,
+            restarts: Iterable[float] = ()) -> Result:
+        """Replay ``requests``; the store restarts at each time in ``restarts`` (exact mode)."""
         started = time.perf_counter()
         config = self.config
         limit = math.inf if config.hours is None else config.hours * 3600.0
         pending: list[tuple] = []  # turn ends: (time, order, request, chunks found, extents found)
         next_gc, next_sample, order = config.gc_interval_s, 0.0, 0
+        restarts = sorted(restarts)
 
         def advance(until: float) -> None:
             nonlocal next_gc, next_sample
             while True:
-                t = min(pending[0][0] if pending else math.inf, next_gc, next_sample)
+                t = min(pending[0][0] if pending else math.inf, next_gc, next_sample,
+                        restarts[0] if restarts else math.inf)
                 if t > until:
                     return
                 self.clock.now = max(self.clock.now, t)
-                if pending and pending[0][0] == t:
+                if restarts and restarts[0] == t:
+                    restarts.pop(0)
+                    self.restart()
+                elif pending and pending[0][0] == t:
                     _, _, request, hit, found = heapq.heappop(pending)
                     self.turn_end(request, hit, found)
                 elif t == next_gc:
@@ -312,9 +337,13 @@ class Simulator:
             advance(request.time_s)
             self.clock.now = max(self.clock.now, request.time_s)
             hit, prefill, found = self.arrive(request)
-            service = prefill / config.prefill_tokens_per_s + request.output_tokens / config.decode_tokens_per_s
+            if request.done_s is not None:
+                end = max(request.done_s, request.time_s)
+            else:
+                end = request.time_s + prefill / config.prefill_tokens_per_s + \
+                    request.output_tokens / config.decode_tokens_per_s
             order += 1
-            heapq.heappush(pending, (request.time_s + service, order, request, hit, found))
+            heapq.heappush(pending, (end, order, request, hit, found))
         # The turns still running end; with --hours, the clock runs on to the limit (GC, samples).
         advance(limit if config.hours is not None else max((p[0] for p in pending), default=self.clock.now))
         self.sample()
@@ -338,6 +367,6 @@ class Simulator:
         self.close()
 
 
-def simulate(config: SimConfig, requests: Iterable[Request], progress=None) -> Result:
+def simulate(config: SimConfig, requests: Iterable[Request], progress=None, restarts: Iterable[float] = ()) -> Result:
     with Simulator(config) as simulator:
-        return simulator.run(requests, progress)
+        return simulator.run(requests, progress, restarts)

@@ -54,6 +54,8 @@ class Request:
         answer that are not the prompt's), as runs.
     window: the window state stored after the answer.
     resume: the window state its prompt continues from (an earlier turn's end), if any.
+    done_s: when its turn ended, where that was measured (a replay against a live
+        cluster); None: the simulator's service time model decides.
     """
 
     time_s: float
@@ -64,6 +66,7 @@ class Request:
     after: tuple[Run, ...] = ()
     window: WindowId | None = None
     resume: WindowId | None = None
+    done_s: float | None = None
 
     @property
     def chunks(self) -> int:
@@ -76,13 +79,24 @@ class Request:
 # ---------------------------------------------------------------------- traces
 
 
-def mooncake(path: str | Path, stretch: float = 1.0, tile: int = 1) -> Iterator[Request]:
-    """The requests of a Mooncake trace, in time order (see the module docstring)."""
-    if stretch <= 0 or tile < 1:
-        raise ValueError("stretch must be positive and tile at least 1")
+def read_trace(path: str | Path) -> list[dict]:
+    """The rows of a Mooncake trace file (JSONL, gzipped or not)."""
     path = Path(path)
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def mooncake(path: str | Path, stretch: float = 1.0, tile: int = 1) -> Iterator[Request]:
+    """The requests of a Mooncake trace, in time order (see the module docstring)."""
+    return trace_requests(read_trace(path), stretch, tile)
+
+
+def trace_requests(rows: list[dict], stretch: float = 1.0, tile: int = 1,
+                   done_s: list[float] | None = None) -> Iterator[Request]:
+    """Requests from Mooncake trace rows (``timestamp`` ms, ``input_length``,
+    ``output_length``, ``hash_ids``); ``done_s``: each row's measured end (a replay)."""
+    if stretch <= 0 or tile < 1:
+        raise ValueError("stretch must be positive and tile at least 1")
     if not rows:
         return
     firsts: dict[int, int] = {}
@@ -106,7 +120,7 @@ def mooncake(path: str | Path, stretch: float = 1.0, tile: int = 1) -> Iterator[
             end = prompt + output
             after = ((own, full, end // CHUNK_TOKENS),) if end // CHUNK_TOKENS > full else ()
             yield Request((copy * duration_s + row["timestamp"] / 1000.0) * stretch, runs, prompt, output,
-                          after=after, window=(own, end))
+                          after=after, window=(own, end), done_s=None if done_s is None else done_s[n])
 
 
 # ---------------------------------------------------------------------- synthetic sessions

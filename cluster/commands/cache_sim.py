@@ -3,6 +3,7 @@
     v41 cache-sim run --trace conversation --stretch 72            # the Mooncake chat trace over 72 h
     v41 cache-sim run --profile agent --sessions 100000 --hours 96  # synthetic agent sessions
     v41 cache-sim run --profile my-workload.yaml --json
+    v41 cache-sim validate --json                                   # simulator vs a live v41 serve
 
 ``run`` replays a workload through the real store's policy on a virtual clock, once per
 storage policy (``--policies v41,v4``: V4.1 keeps window states in RAM for minutes; V4
@@ -10,6 +11,16 @@ persisted them to SSD with the chunks), the policies in parallel processes, and 
 per policy the hit rate per tier (token-weighted; request-weighted beside it), the
 window-state hit rate, how often the encoder replays, the bytes stored per tier, and the
 ratio of what V4.1 stores to what V4 stores.
+
+``validate`` starts a `v41 serve` (the shipped small model, chunks of 128 tokens as the
+simulator's, an embedded Redis, the SSD tier in a temporary directory), replays a slice
+of the conversation trace against it (:mod:`cluster.cachesim.replay`; whole
+conversations, time compressed, prompts cut), restarts the node's store halfway (RAM
+lost, the SSD tier reopened: the second half's hits on earlier conversations come from
+SSD), then runs the simulator in exact mode on the same rows, with the turn ends the
+cluster measured and the restart at the same time, and compares the hit rates per tier
+(token-weighted). The cluster's tiers: the cached tokens its answers report, of which
+the chunks its store read from SSD (each read there once, then promoted) came from SSD.
 """
 
 from __future__ import annotations
@@ -48,6 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--model", type=Path, default=None, help="config directory the sizes come from "
                      "(default: the released V4.1-Flash config)")
     run.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+
+    check = sub.add_parser("validate", help="replay a trace slice against a live v41 serve and compare with the "
+                           "simulator")
+    check.add_argument("--model", type=Path, default=None, help="checkpoint to serve (default: the shipped small one)")
+    check.add_argument("--conversations", type=int, default=16, help="conversations taken from the trace")
+    check.add_argument("--minutes", type=float, default=20.0, help="trace minutes they are taken from")
+    check.add_argument("--speedup", type=float, default=10.0, help="replay the trace this many times faster")
+    check.add_argument("--max-prompt-tokens", type=int, default=4000, help="prompts cut to this length")
+    check.add_argument("--max-tokens", type=int, default=4, help="answers cut to this length")
+    check.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
+    check.add_argument("--no-restart", action="store_true", help="do not restart the store halfway")
+    check.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
 
 def _workload(args: argparse.Namespace):
@@ -108,6 +131,8 @@ def _simulate(policy: str, config_fields: dict, spec, show_progress: bool) -> di
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "validate":
+        return validate(args)
     from cluster.cli import UserError
 
     started = time.time()
@@ -156,3 +181,128 @@ def _print_table(report: dict) -> None:
               f"{r['mean_stored_bytes'] / 1e9:>10.1f}GB {r['peak_stored_bytes'] / 1e9:>10.1f}GB")
     if "stored_bytes_v41_over_v4" in report:
         print(f"stored bytes, V4.1 / V4 (time mean): {report['stored_bytes_v41_over_v4']:.3f}")
+
+
+# ---------------------------------------------------------------------- validate
+
+_TIERS = ("ram", "ssd")
+
+
+def _restart_store() -> None:
+    """Kill the node's store actor (Ray restarts it on its SSD slot) and wait until it answers."""
+    import ray
+
+    from actors.store import store_actors
+
+    (store,) = store_actors().values()
+    ray.get(store.flush.remote())  # what the first half wrote is on the SSD (as the simulator's is)
+    ray.kill(store, no_restart=False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            ray.get(store.stats.remote(), timeout=5)
+            return
+        except Exception:  # still restarting
+            time.sleep(0.5)
+    raise RuntimeError("the store actor did not come back within 120 s")
+
+
+def _store_tiers() -> dict[str, dict]:
+    import ray
+
+    from actors.store import store_actors
+
+    totals: dict[str, dict] = {}
+    for store in store_actors().values():
+        for tier, counters in ray.get(store.stats.remote()).tiers.items():
+            row = totals.setdefault(tier, {})
+            for key, value in asdict(counters).items():
+                row[key] = row.get(key, 0) + value
+    return totals
+
+
+def _live(sent, ssd_hits: int, chunk_tokens: int) -> dict[str, float]:
+    prompt = sum(s.prompt_tokens for s in sent)
+    cached = sum(s.cached_tokens for s in sent)
+    ssd = ssd_hits * chunk_tokens
+    return {"hit_rate_ram": (cached - ssd) / max(1, prompt), "hit_rate_ssd": ssd / max(1, prompt),
+            "hit_rate": cached / max(1, prompt)}
+
+
+def validate(args: argparse.Namespace) -> int:
+    import asyncio
+    import shutil
+    import tempfile
+
+    from cluster.cachesim import replay, sizes as sizes_module, workload
+    from cluster.cachesim.simulate import SimConfig, Simulator
+    from cluster.cli import UserError
+    from cluster.commands.serve import default_model, local_app
+    from cluster.config import AppConfig
+    from model.config import ModelConfig
+    from storage.redis_server import free_port
+
+    started = time.time()
+    model = args.model or default_model()
+    if not (model / "config.json").exists():
+        raise UserError(f"no checkpoint at {model}")
+    for name in ("conversations", "speedup", "max_prompt_tokens", "max_tokens", "concurrency", "minutes"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive")
+    rows = replay.trace_slice(workload.read_trace(workload.CONVERSATION_TRACE), args.conversations, args.minutes,
+                              args.max_prompt_tokens, args.max_tokens)
+    if len(rows) < 2:
+        raise UserError("the slice holds fewer than two requests: take more --conversations or --minutes")
+    vocab = ModelConfig.from_dict(json.loads((model / "config.json").read_text())).text.vocab_size
+    chunk_tokens = workload.CHUNK_TOKENS
+    ram_bytes = 1 << 30
+    app_args = {"model": str(model), "chunk_tokens": chunk_tokens, "ram_capacity_bytes": ram_bytes,
+                "max_model_len": args.max_prompt_tokens + args.max_tokens + 64, "speculation": "off"}
+    restart_at = None if args.no_restart else len(rows) // 2
+    cache_dir = tempfile.mkdtemp(prefix="v41-cache-sim-validate-")
+    app_args["ssd_dir"] = cache_dir + "/{node}"
+    port = free_port()
+    before: dict[str, dict] = {}
+
+    async def restart() -> None:
+        before.update(_store_tiers())  # a restarted store counts from zero
+        await asyncio.to_thread(_restart_store)
+
+    try:
+        with local_app(app_args, port=port):
+            name = AppConfig.from_args({"model": str(model)}).model_name
+            sent, restarted_s = asyncio.run(replay.replay(f"http://127.0.0.1:{port}", name, rows, vocab,
+                                                          args.speedup, args.concurrency, restart_at, restart))
+            after = _store_tiers()
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    failed = [s for s in sent if s.status != 200]
+    if failed:
+        raise UserError(f"{len(failed)} of {len(sent)} replayed requests failed, e.g. {failed[0].error}")
+    ssd_hits = before.get("ssd", {}).get("hits", 0) + after.get("ssd", {}).get("hits", 0)
+    live = _live(sent, ssd_hits, chunk_tokens)
+
+    # The simulator on the same rows, at the times the cluster saw them.
+    timed = [dict(row, timestamp=s.sent_s * 1000.0) for row, s in zip(rows, sent)]
+    requests = sorted(workload.trace_requests(timed, done_s=[s.done_s for s in sent]), key=lambda r: r.time_s)
+    config = SimConfig(sizes_module.from_config(model, chunk_tokens), ram_bytes=ram_bytes, mode="exact", shrink=1)
+    with Simulator(config) as simulator:
+        result = simulator.run(requests, restarts=[] if restarted_s is None else [restarted_s])
+    simulated = {key: result.rates[key] for key in ("hit_rate_ram", "hit_rate_ssd", "hit_rate")}
+    diffs = {key: abs(live[key] - simulated[key]) for key in simulated}
+    report = {"requests": len(sent), "conversations": args.conversations, "prompt_tokens": sum(s.prompt_tokens
+              for s in sent), "restart_at_s": restarted_s, "replay_s": round(max(s.done_s for s in sent), 1),
+              "live": {k: round(v, 4) for k, v in live.items()}, "simulated": {k: round(v, 4) for k, v in
+                                                                               simulated.items()},
+              "abs_diff": {k: round(v, 4) for k, v in diffs.items()},
+              "max_abs_hit_rate_diff": round(max(diffs.values()), 4), "wall_s": round(time.time() - started, 1)}
+    print(f"v41 cache-sim validate: {report['requests']} requests of {args.conversations} conversations "
+          f"({report['prompt_tokens']:,} prompt tokens), replayed in {report['replay_s']} s"
+          + ("" if restarted_s is None else f", the store restarted at {restarted_s:.1f} s"))
+    print(f"{'hit rate':<10} {'live':>7} {'sim':>7} {'diff':>7}")
+    for key, label in (("hit_rate_ram", "RAM"), ("hit_rate_ssd", "SSD"), ("hit_rate", "total")):
+        print(f"{label:<10} {live[key]:>7.3f} {simulated[key]:>7.3f} {diffs[key]:>7.3f}")
+    print(f"max |live - simulated| = {report['max_abs_hit_rate_diff']:.3f}")
+    if args.json:
+        print(json.dumps(report))
+    return 0

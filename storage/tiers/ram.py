@@ -63,7 +63,9 @@ class RamTier(LocalTier):
     def get(self, key: ObjectKey) -> bytes | None:
         return self.get_many((key,))[0]
 
-    def get_many(self, keys: Sequence[ObjectKey]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[ObjectKey], prefix: bool = False) -> list[bytes | None]:
+        """The payload of each key or None; with ``prefix``, only the payloads up to the
+        first miss (that miss counted, the keys after it not looked at)."""
         now = self._clock()
         results: list[bytes | None] = []
         append = results.append
@@ -87,9 +89,12 @@ class RamTier(LocalTier):
                         continue
                     self._pop(digest)
                     expired.append(key)
-                append(None)
                 misses += 1
-        self._counters.add(hits=len(keys) - misses, misses=misses, bytes_read=hit_bytes, expirations=len(expired))
+                if prefix:
+                    break
+                append(None)
+        hits = len(results) if prefix else len(results) - misses
+        self._counters.add(hits=hits, misses=misses, bytes_read=hit_bytes, expirations=len(expired))
         for key in expired:
             self._on_drop(key)
         return results

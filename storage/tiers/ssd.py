@@ -245,7 +245,7 @@ class SsdTier(LocalTier):
                 entry.last_used = now
                 self._index.move_to_end(key.digest)
                 return True
-        header = self._codec.header(key, payload)
+        header = self._header(key, payload)
         size = HEADER_BYTES + len(payload)
         capacity = self._policy.ssd_capacity_bytes
         if capacity is not None:
@@ -272,6 +272,9 @@ class SsdTier(LocalTier):
             self._index[key.digest] = _Entry(key.kind, size, now, now)
         self._counters.add(puts=1, bytes_written=size)
         return True
+
+    def _header(self, key: ObjectKey, payload: bytes) -> bytes:
+        return self._codec.header(key, payload)
 
     def _write_atomic(self, path: str, header: bytes, payload: bytes, now: float) -> None:
         directory, _, name = path.rpartition("/")
@@ -392,6 +395,12 @@ class SizedSsdTier(SsdTier):
 
     def _scan(self) -> None:
         pass  # no files: an empty medium
+
+    def _path(self, hex_digest: str, kind: Kind) -> str:
+        return ""  # a medium without files
+
+    def _header(self, key: ObjectKey, payload: bytes) -> bytes:
+        return b""  # (its size is still counted: HEADER_BYTES)
 
     def _write_atomic(self, path: str, header: bytes, payload: bytes, now: float) -> None:
         pass
