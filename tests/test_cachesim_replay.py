@@ -54,3 +54,39 @@ def test_validate_agrees_with_a_live_cluster_across_a_store_restart():
     assert report["requests"] >= 6 and report["restart_at_s"] is not None
     assert report["live"]["hit_rate_ssd"] > 0 and report["live"]["hit_rate_ram"] > 0  # both tiers were exercised
     assert report["max_abs_hit_rate_diff"] <= 0.02
+
+
+def test_the_report_writes_its_tables_plots_and_markdown(tmp_path):
+    import pyarrow.parquet as pq
+
+    from cluster.cachesim.report import RETENTIONS_H, Cost, jobs, run_all
+
+    summary = run_all(tmp_path, agent_sessions=12, agent_hours=6.0, workers=2, trace_rows=400)
+    runs = pq.read_table(tmp_path / "runs.parquet").to_pylist()
+    assert len(runs) == len(jobs(12, 6.0)) == summary["runs"]
+    for workload in ("conversation", "agent"):
+        for policy in ("v41", "v4"):
+            sweep = sorted((r for r in runs if r["experiment"] == "retention" and r["workload"] == workload
+                            and r["policy"] == policy), key=lambda r: r["retention_h"])
+            assert [r["retention_h"] for r in sweep] == list(RETENTIONS_H)
+            hits = [r["hit_rate"] for r in sweep]
+            assert hits == sorted(hits)  # keeping chunks longer never loses a hit (unbounded SSD)
+            assert all(abs(r["hit_rate"] - r["hit_rate_ram"] - r["hit_rate_ssd"]) < 1e-9 for r in sweep)
+        w = summary["workloads"][workload]
+        assert 0 < w["stored_bytes_v41_over_v4"] < 1  # V4 keeps window states and 4x bigger chunks
+    samples = pq.read_table(tmp_path / "samples.parquet").to_pylist()
+    assert {(s["workload"], s["policy"]) for s in samples} == {(w, p) for w in ("conversation", "agent")
+                                                               for p in ("v41", "v4")}
+    agent = next(r for r in runs if r["experiment"] == "retention" and r["workload"] == "agent"
+                 and r["policy"] == "v41" and r["retention_h"] == 72.0)
+    # The cost model: every hit token saves its prefill time less its load.
+    cost = Cost()
+    prefill_s = (agent["hit_tokens_ram"] + agent["hit_tokens_ssd"]) / cost.prefill_tokens_per_s
+    assert agent["ttft_saved_ms_per_request"] < 1e3 * prefill_s / agent["requests"]
+    assert agent["ttft_saved_ms_per_request"] + agent["load_ms_per_request"] == \
+        pytest.approx(1e3 * prefill_s / agent["requests"])
+    for name in ("hit_rate_vs_retention.png", "bytes_per_tier_over_time.png", "window_states.png", "ssd_sizing.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (tmp_path / "report.md").read_text()
+    assert "Stored bytes V4.1 / V4" in text and "![SSD sizing](ssd_sizing.png)" in text
+    assert json.loads((tmp_path / "summary.json").read_text())["runs"] == summary["runs"]

@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "(default: the released V4.1-Flash config)")
     run.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
+    report = sub.add_parser("report", help="the standard experiments: sweeps, plots, tables and a report")
+    report.add_argument("--out", type=Path, default=Path("cache-sim-report"), help="directory for the outputs")
+    report.add_argument("--sessions", type=int, default=10000, help="agent sessions of the default runs")
+    report.add_argument("--hours", type=float, default=96.0, help="virtual hours of the agent workload")
+    report.add_argument("--workers", type=int, default=2, help="simulations in parallel")
+    report.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+
     check = sub.add_parser("validate", help="replay a trace slice against a live v41 serve and compare with the "
                            "simulator")
     check.add_argument("--model", type=Path, default=None, help="checkpoint to serve (default: the shipped small one)")
@@ -133,6 +140,8 @@ def _simulate(policy: str, config_fields: dict, spec, show_progress: bool) -> di
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
         return validate(args)
+    if args.action == "report":
+        return make_report(args)
     from cluster.cli import UserError
 
     started = time.time()
@@ -181,6 +190,33 @@ def _print_table(report: dict) -> None:
               f"{r['mean_stored_bytes'] / 1e9:>10.1f}GB {r['peak_stored_bytes'] / 1e9:>10.1f}GB")
     if "stored_bytes_v41_over_v4" in report:
         print(f"stored bytes, V4.1 / V4 (time mean): {report['stored_bytes_v41_over_v4']:.3f}")
+
+
+# ---------------------------------------------------------------------- report
+
+
+def make_report(args: argparse.Namespace) -> int:
+    from cluster.cachesim.report import run_all
+    from cluster.cli import UserError
+
+    if args.sessions < 4 or args.hours <= 0 or args.workers < 1:
+        raise UserError("--sessions must be at least 4, --hours and --workers positive")
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r{done}/{total} simulations", end="", file=sys.stderr, flush=True)
+
+    summary = run_all(args.out, args.sessions, args.hours, workers=args.workers, progress=progress)
+    print(file=sys.stderr)
+    print(f"v41 cache-sim report: {summary['runs']} simulations in {summary['wall_s']} s -> {args.out}/report.md")
+    for workload, w in summary["workloads"].items():
+        for policy, p in w["policies"].items():
+            print(f"{workload:<13} {policy:<4} hit {p['hit_rate']:.3f} (RAM {p['hit_rate_ram']:.3f}, SSD "
+                  f"{p['hit_rate_ssd']:.3f})  window {p['window_hit_rate']:.3f}  peak SSD {p['peak_ssd_tb']:.2f} TB  "
+                  f"DWPD {p['dwpd']:.2f}")
+        print(f"{workload:<13} stored bytes V4.1 / V4: {w['stored_bytes_v41_over_v4']:.3f}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
 
 
 # ---------------------------------------------------------------------- validate
