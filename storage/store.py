@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from storage.codec import Codec
@@ -309,6 +309,26 @@ class TieredStore:
         written = self._writer.flush(timeout)
         published = self._publisher.flush() if self._publisher is not None else True
         return written and published
+
+    def sized_state(self) -> dict:
+        """What a store of sizes only (``ssd_sizes_only``, no Redis) holds, as plain rows
+        and numbers: the retention lab checkpoints it (no pickle)."""
+        if not self.config.ssd_sizes_only or self._redis is not None:
+            raise ValueError("only a store of sizes (ssd_sizes_only, no Redis) has a sized state")
+        return {"ram": self._ram.sized_state(), "ssd": self._ssd.sized_state() if self._ssd is not None else [],
+                "counters": {tier.value: asdict(c.snapshot()) for tier, c in self._counters.items()},
+                "gc_runs": self._gc_runs}
+
+    def restore_sized(self, state: dict) -> None:
+        """Take back a :meth:`sized_state` into this empty store."""
+        if not self.config.ssd_sizes_only or self.stats().objects.get("ram"):
+            raise ValueError("a sized state goes into an empty store of sizes")
+        self._ram.restore_sized(state["ram"])
+        if self._ssd is not None:
+            self._ssd.restore_sized(state["ssd"])
+        for tier, values in state["counters"].items():
+            self._counters[TierName(tier)].add(**values)
+        self._gc_runs = state["gc_runs"]
 
     def stats(self) -> StoreStats:
         """A snapshot of every counter."""

@@ -7,7 +7,9 @@ only) giving identical counters on the same trace slice."""
 from __future__ import annotations
 
 import itertools
+import json
 
+import numpy as np
 import pytest
 
 from cluster.cachesim.simulate import SimConfig, simulate
@@ -134,3 +136,38 @@ def test_a_measured_turn_end_decides_when_its_chunks_are_stored():
     assert late.hit_tokens_ram == 0 and late.window_hits_ram == 0
     early = _run([dataclasses.replace(first, done_s=59.0), second]).totals
     assert early.hit_tokens_ram == 5 * CHUNK_TOKENS and early.window_hits_ram == 1
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_counters(tmp_path):
+    from cluster.cachesim.simulate import Simulator
+    from cluster.cachesim.workload import Profile, synthetic
+
+    profile = Profile.named("agent", sessions=60, hours=12)
+    config = SimConfig(SIZES, ram_bytes=400_000, ssd_bytes=3_000_000, chunk_retention_hours=3.0, hours=12)
+    whole = simulate(config, synthetic(profile))
+    checkpoint = tmp_path / "sim.npz"
+
+    class Killed(Exception):
+        pass
+
+    def kill_at_hour_6(now_s, _requests):
+        if now_s >= 6 * 3600:
+            raise Killed
+
+    with pytest.raises(Killed), Simulator(config) as simulator:
+        simulator.run(synthetic(profile), kill_at_hour_6, checkpoint=checkpoint, checkpoint_every_s=0.0)
+    with np.load(checkpoint) as saved:  # the first run's last save: past hour 5, short of the end
+        taken = json.loads(str(saved["meta"]))["consumed"]
+    assert 0 < taken < whole.totals.requests
+    with Simulator(config) as simulator:
+        resumed = simulator.run(synthetic(profile), checkpoint=checkpoint)
+    assert resumed.totals == whole.totals and resumed.store == whole.store
+    assert [(s.time_s, s.objects, s.bytes) for s in resumed.samples] == \
+        [(s.time_s, s.objects, s.bytes) for s in whole.samples]
+    # Every path was taken before the kill: evictions from both tiers, expirations.
+    assert whole.store["tiers"]["ram"]["evictions"] and whole.store["tiers"]["ssd"]["evictions"]
+    assert not checkpoint.exists()  # a finished run removes it
+    with Simulator(config) as simulator, Simulator(SimConfig(SIZES, hours=12)) as other:
+        simulator.save(checkpoint)
+        with pytest.raises(ValueError, match="other settings"):
+            other.load(checkpoint)

@@ -94,7 +94,7 @@ async def replay(url: str, model: str, rows: list[dict], vocab_size: int, speedu
                 async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
                     answer = await response.json()
                     status = response.status
-            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            except (TimeoutError, aiohttp.ClientError) as error:
                 results[index] = Sent(sent, time.monotonic() - started, 0, 0, 0, f"{type(error).__name__}: {error}")
                 return
             usage = answer.get("usage") or {}

@@ -284,23 +284,23 @@ def _save(fig, path: Path) -> None:
 
 def markdown(summary: dict, rows: list[dict]) -> str:
     lines = ["# Retention lab report", "",
-             f"{summary['runs']} simulations in {summary['wall_s']} s (scale mode). Workloads: the Mooncake chat "
-             f"trace stretched to 72 h; the agent profile, {summary['agent_sessions']:,} sessions over "
-             f"{summary['agent_hours']} h. Defaults: 72 h chunk retention, 30 min window TTL, 200 GiB RAM, "
-             "unbounded SSD. Hit rates are token-weighted.", ""]
+             (f"{summary['runs']} simulations in {summary['wall_s']} s (scale mode). Workloads: the Mooncake chat "
+              f"trace stretched to 72 h; the agent profile, {summary['agent_sessions']:,} sessions over "
+              f"{summary['agent_hours']} h. Defaults: 72 h chunk retention, 30 min window TTL, 200 GiB RAM, "
+              "unbounded SSD. Hit rates are token-weighted."), ""]
     cost = summary["cost"]
     for workload, w in summary["workloads"].items():
         lines += [f"## {workload} ({w['requests']:,} requests, {w['virtual_hours']} virtual h)", "",
-                  "| policy | hit RAM | hit SSD | hit | window-state hits | replays/request | peak SSD (TB) | "
-                  "SSD writes (MB/s) | DWPD | TTFT saved (ms/request) | prefill GPU-h avoided/day |",
+                  ("| policy | hit RAM | hit SSD | hit | window-state hits | replays/request | peak SSD (TB) | "
+                   "SSD writes (MB/s) | DWPD | TTFT saved (ms/request) | prefill GPU-h avoided/day |"),
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for policy, p in w["policies"].items():
             lines.append(f"| {policy} | {p['hit_rate_ram']:.3f} | {p['hit_rate_ssd']:.3f} | {p['hit_rate']:.3f} | "
                          f"{p['window_hit_rate']:.3f} | {p['replay_rate']:.3f} | {p['peak_ssd_tb']:.2f} | "
                          f"{p['ssd_write_mb_per_s']:.1f} | {p['dwpd']:.2f} | {p['ttft_saved_ms_per_request']:.0f} | "
                          f"{p['prefill_gpu_hours_avoided_per_day']:.1f} |")
-        lines += ["", f"Stored bytes V4.1 / V4 (time mean): **{w['stored_bytes_v41_over_v4']:.3f}**; "
-                  f"peak SSD V4.1 / V4: {w['peak_ssd_bytes_v41_over_v4']:.3f}.", ""]
+        lines += ["", (f"Stored bytes V4.1 / V4 (time mean): **{w['stored_bytes_v41_over_v4']:.3f}**; "
+                       f"peak SSD V4.1 / V4: {w['peak_ssd_bytes_v41_over_v4']:.3f}."), ""]
         lines += ["| retention (h) | " + " | ".join(f"{r:g}" for r in RETENTIONS_H) + " |",
                   "|---|" + "---:|" * len(RETENTIONS_H)]
         for policy in ("v41", "v4"):
@@ -314,10 +314,10 @@ def markdown(summary: dict, rows: list[dict]) -> str:
               "![bytes per tier over time](bytes_per_tier_over_time.png)", "",
               "![window states](window_states.png)", "", "![SSD sizing](ssd_sizing.png)", "",
               "## Cost model", "",
-              f"Prefill at {cost['flops_per_token'] / 1e9:.0f} GFLOP per prompt token on {cost['gpu_tflops']:.0f} "
-              f"TFLOP/s GPUs at {cost['mfu']:.0%} MFU ({cost['prefill_tokens_per_s']:,.0f} tokens/s per GPU); a hit "
-              f"loads at {cost['ram_gbps']:g} GB/s from RAM, {cost['ssd_gbps']:g} GB/s from SSD. TTFT saved = "
-              "prefill time of the hit tokens less their load time, per request, one GPU per request.", "",
-              "Tables: `runs.parquet` (one row per simulation), `samples.parquet` (hourly tier contents of the "
-              "72 h runs), `summary.json`.", ""]
+              (f"Prefill at {cost['flops_per_token'] / 1e9:.0f} GFLOP per prompt token on {cost['gpu_tflops']:.0f} "
+               f"TFLOP/s GPUs at {cost['mfu']:.0%} MFU ({cost['prefill_tokens_per_s']:,.0f} tokens/s per GPU); a hit "
+               f"loads at {cost['ram_gbps']:g} GB/s from RAM, {cost['ssd_gbps']:g} GB/s from SSD. TTFT saved = "
+               "prefill time of the hit tokens less their load time, per request, one GPU per request."), "",
+              ("Tables: `runs.parquet` (one row per simulation), `samples.parquet` (hourly tier contents of the "
+               "72 h runs), `summary.json`."), ""]
     return "\n".join(lines)

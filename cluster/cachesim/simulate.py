@@ -25,6 +25,8 @@ code, no I/O). Both give the same counters on the same input (tested).
 from __future__ import annotations
 
 import heapq
+import itertools
+import json
 import math
 import struct
 import tempfile
@@ -174,6 +176,11 @@ class Simulator:
         # have left the store since; the store is asked).
         self._extents: dict[int, dict[int, tuple[int, ObjectKey]]] = {}
         self._chunk_size = config.sizes.chunk_bytes
+        # The run loop's state (kept here so that a checkpoint holds it).
+        self._pending: list[tuple] = []
+        self._next_gc, self._next_sample = config.gc_interval_s, 0.0
+        self._order = self._consumed = 0
+        self._wall_s = 0.0
 
     def _dropped(self, key: ObjectKey, location) -> None:
         """An extent that left the SSD (which holds every chunk RAM holds) is gone: forget it."""
@@ -299,19 +306,26 @@ class Simulator:
     # -- the loop ----------------------------------------------------------------------
 
     def run(self, requests: Iterable[Request], progress: Callable[[float, int], None] | None = None,
-            restarts: Iterable[float] = ()) -> Result:
-        """Replay ``requests``; the store restarts at each time in ``restarts`` (exact mode)."""
+            restarts: Iterable[float] = (), checkpoint: Path | None = None,
+            checkpoint_every_s: float = 300.0) -> Result:
+        """Replay ``requests``; the store restarts at each time in ``restarts`` (exact
+        mode). With ``checkpoint`` (scale mode), the state is saved there every
+        ``checkpoint_every_s`` wall seconds, and a run that finds one resumes from it
+        (the same requests must come: the ones it had taken are skipped)."""
         started = time.perf_counter()
         config = self.config
         limit = math.inf if config.hours is None else config.hours * 3600.0
-        pending: list[tuple] = []  # turn ends: (time, order, request, chunks found, extents found)
-        next_gc, next_sample, order = config.gc_interval_s, 0.0, 0
         restarts = sorted(restarts)
+        pending = self._pending  # turn ends: (time, order, request, chunks found, extents found)
+        if checkpoint is not None and Path(checkpoint).exists():
+            self.load(checkpoint)
+            pending = self._pending
+            requests = itertools.islice(requests, self._consumed, None)
+        saved_at = time.perf_counter()
 
         def advance(until: float) -> None:
-            nonlocal next_gc, next_sample
             while True:
-                t = min(pending[0][0] if pending else math.inf, next_gc, next_sample,
+                t = min(pending[0][0] if pending else math.inf, self._next_gc, self._next_sample,
                         restarts[0] if restarts else math.inf)
                 if t > until:
                     return
@@ -322,12 +336,12 @@ class Simulator:
                 elif pending and pending[0][0] == t:
                     _, _, request, hit, found = heapq.heappop(pending)
                     self.turn_end(request, hit, found)
-                elif t == next_gc:
+                elif t == self._next_gc:
                     self.store.gc()
-                    next_gc += config.gc_interval_s
+                    self._next_gc += config.gc_interval_s
                 else:
                     self.sample()
-                    next_sample += config.sample_every_s
+                    self._next_sample += config.sample_every_s
                     if progress is not None:
                         progress(self.clock.now, self.totals.requests)
 
@@ -342,18 +356,82 @@ class Simulator:
             else:
                 end = request.time_s + prefill / config.prefill_tokens_per_s + \
                     request.output_tokens / config.decode_tokens_per_s
-            order += 1
-            heapq.heappush(pending, (end, order, request, hit, found))
+            self._order += 1
+            self._consumed += 1
+            heapq.heappush(pending, (end, self._order, request, hit, found))
+            if checkpoint is not None and time.perf_counter() - saved_at >= checkpoint_every_s:
+                self._wall_s += time.perf_counter() - started
+                started = saved_at = time.perf_counter()
+                self.save(checkpoint)
         # The turns still running end; with --hours, the clock runs on to the limit (GC, samples).
         advance(limit if config.hours is not None else max((p[0] for p in pending), default=self.clock.now))
         self.sample()
         stats = self.store.stats()
+        if checkpoint is not None:
+            Path(checkpoint).unlink(missing_ok=True)
         return Result(config={**{k: v for k, v in asdict(config).items() if k != "sizes"},
                               "sizes": config.sizes.as_dict()},
                       totals=self.totals, rates=self.totals.rates(),
                       store={"tiers": {tier: asdict(counters) for tier, counters in stats.tiers.items()},
                              "objects": stats.objects, "bytes_stored": stats.bytes_stored, "gc_runs": stats.gc_runs},
-                      samples=self.samples, virtual_s=self.clock.now, wall_s=time.perf_counter() - started)
+                      samples=self.samples, virtual_s=self.clock.now,
+                      wall_s=self._wall_s + time.perf_counter() - started)
+
+    # -- checkpoints (scale mode) --------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Write the whole state to ``path`` (an .npz: arrays and JSON, no pickle), atomically."""
+        import numpy as np
+
+        state = self.store.sized_state()
+        tiers = {}
+        for tier in ("ram", "ssd"):
+            rows = state.pop(tier)
+            tiers[f"{tier}_digests"] = np.frombuffer(b"".join(r[0] for r in rows), dtype=np.uint8).reshape(-1, 32)
+            tiers[f"{tier}_kinds"] = np.array([r[1] for r in rows], dtype=np.int8)
+            tiers[f"{tier}_sizes"] = np.array([r[2] for r in rows], dtype=np.int64)
+            tiers[f"{tier}_times"] = np.array([r[3] for r in rows], dtype=np.float64)
+        extents = np.array([(owner, first, end) for owner, spans in self._extents.items()
+                            for first, (end, _) in spans.items()], dtype=np.int64).reshape(-1, 3)
+        meta = {"config": self._config_fingerprint(), "store": state, "clock": self.clock.now,
+                "totals": asdict(self.totals), "samples": [asdict(s) for s in self.samples],
+                "pending": [(t, order, _request_fields(r), hit, found) for t, order, r, hit, found in self._pending],
+                "next_gc": self._next_gc, "next_sample": self._next_sample, "order": self._order,
+                "consumed": self._consumed, "wall_s": self._wall_s}
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, meta=np.array(json.dumps(meta)), extents=extents, **tiers)
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        """Take back the state :meth:`save` wrote (into a fresh simulator of the same config)."""
+        import numpy as np
+
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(str(data["meta"]))
+            if meta["config"] != self._config_fingerprint():
+                raise ValueError(f"the checkpoint {path} was written by a run with other settings")
+            state = meta["store"]
+            for tier in ("ram", "ssd"):
+                digests = data[f"{tier}_digests"]
+                state[tier] = [(bytes(d), int(k), int(n), float(t)) for d, k, n, t in
+                               zip(digests, data[f"{tier}_kinds"], data[f"{tier}_sizes"], data[f"{tier}_times"])]
+            extents = data["extents"].tolist()
+        self.store.restore_sized(state)
+        self._extents = {}
+        for owner, first, end in extents:
+            self._extents.setdefault(owner, {})[first] = (end, _chunk_key(owner, first))
+        self.clock.now = meta["clock"]
+        self.totals = Totals(**meta["totals"])
+        self.samples = [Sample(**s) for s in meta["samples"]]
+        self._pending = [(t, order, _request_of(r), hit, [tuple(f) for f in found])
+                         for t, order, r, hit, found in meta["pending"]]
+        heapq.heapify(self._pending)
+        self._next_gc, self._next_sample = meta["next_gc"], meta["next_sample"]
+        self._order, self._consumed, self._wall_s = meta["order"], meta["consumed"], meta["wall_s"]
+
+    def _config_fingerprint(self) -> dict:
+        return {k: v for k, v in asdict(self.config).items() if k != "sizes"} | {"sizes": self.config.sizes.as_dict()}
 
     def close(self) -> None:
         self.store.close()
@@ -367,6 +445,20 @@ class Simulator:
         self.close()
 
 
-def simulate(config: SimConfig, requests: Iterable[Request], progress=None, restarts: Iterable[float] = ()) -> Result:
+def _request_fields(request: Request) -> dict:
+    return asdict(request)
+
+
+def _request_of(fields: dict) -> Request:
+    def runs(value):
+        return tuple(tuple(run) for run in value)
+
+    return Request(**{**fields, "runs": runs(fields["runs"]), "after": runs(fields["after"]),
+                      "window": None if fields["window"] is None else tuple(fields["window"]),
+                      "resume": None if fields["resume"] is None else tuple(fields["resume"])})
+
+
+def simulate(config: SimConfig, requests: Iterable[Request], progress=None, restarts: Iterable[float] = (),
+             checkpoint: Path | None = None, checkpoint_every_s: float = 300.0) -> Result:
     with Simulator(config) as simulator:
-        return simulator.run(requests, progress, restarts)
+        return simulator.run(requests, progress, restarts, checkpoint, checkpoint_every_s)

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--shrink", type=int, default=None, help="divide object sizes by this (default 1; exact 1000)")
     run.add_argument("--model", type=Path, default=None, help="config directory the sizes come from "
                      "(default: the released V4.1-Flash config)")
+    run.add_argument("--checkpoint-dir", type=Path, default=Path(".v41/cache-sim"),
+                     help="scale mode: save each policy's state here every minute; the same command run again "
+                          "resumes from it (removed when a run ends)")
+    run.add_argument("--no-checkpoint", action="store_true", help="do not save or resume")
     run.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
     report = sub.add_parser("report", help="the standard experiments: sweeps, plots, tables and a report")
@@ -107,7 +111,9 @@ def _requests(spec):
     return workload.synthetic(workload.Profile.model_validate(spec[1]))
 
 
-def _simulate(policy: str, config_fields: dict, spec, show_progress: bool) -> dict:
+def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, checkpoint_dir: str | None = None) -> dict:
+    import hashlib
+
     import torch
 
     from cluster.cachesim import sizes as sizes_module
@@ -120,12 +126,29 @@ def _simulate(policy: str, config_fields: dict, spec, show_progress: bool) -> di
     config = SimConfig(sizes, **config_fields)
     started = time.time()
 
-    def progress(now_s: float, requests: int) -> None:
-        if show_progress:
-            print(f"\r{policy}: {now_s / 3600:7.1f} virtual h | {requests:,} requests | "
-                  f"{time.time() - started:6.0f} s", end="", file=sys.stderr, flush=True)
+    first: list[float] = []  # the virtual hour this process started from (a resumed run's is not 0)
 
-    result = simulate(config, _requests(spec), progress)
+    def progress(now_s: float, requests: int) -> None:
+        if not show_progress:
+            return
+        first[:] = first or [now_s]
+        elapsed = time.time() - started
+        line = f"\r{policy}: {now_s / 3600:6.1f} virtual h | {requests:,} requests | {elapsed:6.0f} s"
+        if config.hours:  # a bar, and the time left at this pace
+            done = min(1.0, now_s / (config.hours * 3600))
+            pace = (now_s - first[0]) / max(1e-9, elapsed)
+            left = f"~{(config.hours * 3600 - now_s) / pace:5.0f} s left" if pace > 0 else "  ? s left"
+            line = f"\r{policy}: [{'#' * int(30 * done):<30}] {done:4.0%} | {requests:,} requests | {elapsed:5.0f} s, {left}"
+        print(line, end="", file=sys.stderr, flush=True)
+
+    checkpoint = None
+    if checkpoint_dir is not None and config.mode == "scale":  # one file per policy, workload and settings
+        tag = hashlib.sha1(json.dumps([policy, config_fields, model, spec], sort_keys=True).encode()).hexdigest()
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        checkpoint = Path(checkpoint_dir) / f"{policy}-{tag[:16]}.npz"
+        if checkpoint.exists() and show_progress:
+            print(f"resuming from {checkpoint}", file=sys.stderr)
+    result = simulate(config, _requests(spec), progress, checkpoint=checkpoint, checkpoint_every_s=60.0)
     if show_progress:
         print(file=sys.stderr)
     samples = result.samples
@@ -158,7 +181,9 @@ def run(args: argparse.Namespace) -> int:
               "mode": args.mode, "shrink": shrink, "hours": args.hours,
               "model": str(args.model) if args.model else None}
     with ProcessPoolExecutor(max_workers=len(policies)) as pool:
-        futures = [pool.submit(_simulate, policy, dict(fields), spec, i == 0) for i, policy in enumerate(policies)]
+        checkpoints = None if args.no_checkpoint else str(args.checkpoint_dir)
+        futures = [pool.submit(_simulate, policy, dict(fields), spec, i == 0, checkpoints)
+                   for i, policy in enumerate(policies)]
         results = {policy: future.result() for policy, future in zip(policies, futures)}
     first = next(iter(results.values()))
     report = {"workload": spec[0] if spec[0] == "trace" else "synthetic",
@@ -227,6 +252,7 @@ _TIERS = ("ram", "ssd")
 def _restart_store() -> None:
     """Kill the node's store actor (Ray restarts it on its SSD slot) and wait until it answers."""
     import ray
+    from ray.exceptions import GetTimeoutError, RayError
 
     from actors.store import store_actors
 
@@ -238,7 +264,7 @@ def _restart_store() -> None:
         try:
             ray.get(store.stats.remote(), timeout=5)
             return
-        except Exception:  # still restarting
+        except (RayError, GetTimeoutError):  # still restarting
             time.sleep(0.5)
     raise RuntimeError("the store actor did not come back within 120 s")
 
@@ -270,7 +296,8 @@ def validate(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from cluster.cachesim import replay, sizes as sizes_module, workload
+    from cluster.cachesim import replay, workload
+    from cluster.cachesim import sizes as sizes_module
     from cluster.cachesim.simulate import SimConfig, Simulator
     from cluster.cli import UserError
     from cluster.commands.serve import default_model, local_app

@@ -150,6 +150,23 @@ class RamTier(LocalTier):
         with self._lock:
             return len(self._entries), self._bytes
 
+    def sized_state(self) -> list[tuple[bytes, int, int, float]]:
+        """(digest, kind, size, expiry) of every object, least recently used first: what
+        the retention lab's checkpoints keep of a RAM tier whose payloads stand for sizes."""
+        with self._lock:
+            return [(digest, int(e.kind), len(e.payload), e.expires) for digest, e in self._entries.items()]
+
+    def restore_sized(self, rows) -> None:
+        """Hold ``rows`` (as :meth:`sized_state` gives them) as sized payloads, in that order."""
+        from storage.tiers.ssd import SizedPayload
+
+        with self._lock:
+            for digest, kind, size, expires in rows:
+                kind = Kind(kind)
+                entry = _Entry(kind, SizedPayload(size), self._ttl[kind], expires)
+                self._entries[digest] = self._by_kind[kind][digest] = entry
+                self._bytes += size
+
     def close(self) -> None:
         with self._lock:
             self._entries.clear()

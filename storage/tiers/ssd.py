@@ -399,6 +399,19 @@ class SizedSsdTier(SsdTier):
     def _path(self, hex_digest: str, kind: Kind) -> str:
         return ""  # a medium without files
 
+    def sized_state(self) -> list[tuple[bytes, int, int, float]]:
+        """(digest, kind, size, last use) of every object, least recently used first (the
+        retention lab's checkpoints)."""
+        with self._lock:
+            return [(digest, int(e.kind), e.size, e.last_used) for digest, e in self._index.items()]
+
+    def restore_sized(self, rows) -> None:
+        """Hold ``rows`` (as :meth:`sized_state` gives them), in that order."""
+        with self._lock:
+            for digest, kind, size, last_used in rows:
+                self._index[digest] = _Entry(Kind(kind), size, last_used, last_used)
+                self._bytes += size
+
     def _header(self, key: ObjectKey, payload: bytes) -> bytes:
         return b""  # (its size is still counted: HEADER_BYTES)
 
