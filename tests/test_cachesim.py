@@ -171,3 +171,24 @@ def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_counters(tmp_path)
         simulator.save(checkpoint)
         with pytest.raises(ValueError, match="other settings"):
             other.load(checkpoint)
+
+
+def test_the_requests_table_adds_up_to_the_totals(tmp_path):
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from cluster.cachesim.simulate import RequestTable
+    from cluster.cachesim.workload import Profile, synthetic
+
+    table = RequestTable(tmp_path / "requests.parquet", rows_per_group=500)  # several row groups
+    config = SimConfig(SIZES, ram_bytes=400_000, chunk_retention_hours=3.0, hours=12)
+    totals = simulate(config, synthetic(Profile.named("agent", sessions=60, hours=12)), table=table).totals
+    table.close()
+    rows = pq.read_table(tmp_path / "requests.parquet")
+    assert rows.num_rows == totals.requests > 500
+    for column, total in (("input_tokens", totals.input_tokens), ("hit_tokens_ram", totals.hit_tokens_ram),
+                          ("hit_tokens_ssd", totals.hit_tokens_ssd), ("prefill_tokens", totals.prefill_tokens),
+                          ("replay", totals.replays), ("window_hit", totals.window_hits_ram + totals.window_hits_ssd)):
+        assert pc.sum(rows[column].cast("int64")).as_py() == total, column
+    times = rows["time_s"].to_pylist()
+    assert times == sorted(times)

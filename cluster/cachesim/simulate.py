@@ -307,11 +307,12 @@ class Simulator:
 
     def run(self, requests: Iterable[Request], progress: Callable[[float, int], None] | None = None,
             restarts: Iterable[float] = (), checkpoint: Path | None = None,
-            checkpoint_every_s: float = 300.0) -> Result:
+            checkpoint_every_s: float = 300.0, table: RequestTable | None = None) -> Result:
         """Replay ``requests``; the store restarts at each time in ``restarts`` (exact
         mode). With ``checkpoint`` (scale mode), the state is saved there every
         ``checkpoint_every_s`` wall seconds, and a run that finds one resumes from it
-        (the same requests must come: the ones it had taken are skipped)."""
+        (the same requests must come: the ones it had taken are skipped). ``table``
+        receives each request's outcome."""
         started = time.perf_counter()
         config = self.config
         limit = math.inf if config.hours is None else config.hours * 3600.0
@@ -350,7 +351,16 @@ class Simulator:
                 break
             advance(request.time_s)
             self.clock.now = max(self.clock.now, request.time_s)
-            hit, prefill, found = self.arrive(request)
+            if table is None:
+                hit, prefill, found = self.arrive(request)
+            else:
+                totals = self.totals
+                before = (totals.hit_tokens_ram, totals.hit_tokens_ssd, totals.window_hits_ram + totals.window_hits_ssd,
+                          totals.replays)
+                hit, prefill, found = self.arrive(request)
+                table.add(request, totals.hit_tokens_ram - before[0], totals.hit_tokens_ssd - before[1],
+                          totals.window_hits_ram + totals.window_hits_ssd > before[2], totals.replays > before[3],
+                          prefill)
             if request.done_s is not None:
                 end = max(request.done_s, request.time_s)
             else:
@@ -445,6 +455,45 @@ class Simulator:
         self.close()
 
 
+class RequestTable:
+    """Each request's outcome, written to a Parquet file in row groups (pyarrow):
+    arrival, session, prompt and answer tokens, tokens found in RAM and on SSD, whether
+    its window state was found, whether the encoder replayed, tokens prefilled."""
+
+    COLUMNS = ("time_s", "session", "input_tokens", "output_tokens", "hit_tokens_ram", "hit_tokens_ssd",
+               "window_hit", "replay", "prefill_tokens")
+
+    def __init__(self, path: Path, rows_per_group: int = 1 << 20) -> None:
+        self.path, self.rows_per_group = Path(path), rows_per_group
+        self._columns: dict[str, list] = {name: [] for name in self.COLUMNS}
+        self._writer = None
+        self.rows = 0
+
+    def add(self, request: Request, hit_ram: int, hit_ssd: int, window_hit: bool, replay: bool, prefill: int) -> None:
+        c = self._columns
+        for name, value in zip(self.COLUMNS, (request.time_s, request.session, request.input_tokens,
+                                              request.output_tokens, hit_ram, hit_ssd, window_hit, replay, prefill)):
+            c[name].append(value)
+        self.rows += 1
+        if len(c["time_s"]) >= self.rows_per_group:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        batch = pa.table(self._columns)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, batch.schema)
+        self._writer.write_table(batch)
+        self._columns = {name: [] for name in self.COLUMNS}
+
+    def close(self) -> None:
+        if self._columns["time_s"] or self._writer is None:
+            self._flush()
+        self._writer.close()
+
+
 def _request_fields(request: Request) -> dict:
     return asdict(request)
 
@@ -459,6 +508,7 @@ def _request_of(fields: dict) -> Request:
 
 
 def simulate(config: SimConfig, requests: Iterable[Request], progress=None, restarts: Iterable[float] = (),
-             checkpoint: Path | None = None, checkpoint_every_s: float = 300.0) -> Result:
+             checkpoint: Path | None = None, checkpoint_every_s: float = 300.0,
+             table: RequestTable | None = None) -> Result:
     with Simulator(config) as simulator:
-        return simulator.run(requests, progress, restarts, checkpoint, checkpoint_every_s)
+        return simulator.run(requests, progress, restarts, checkpoint, checkpoint_every_s, table)

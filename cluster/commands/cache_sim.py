@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="scale mode: save each policy's state here every minute; the same command run again "
                           "resumes from it (removed when a run ends)")
     run.add_argument("--no-checkpoint", action="store_true", help="do not save or resume")
+    run.add_argument("--out", type=Path, default=None, help="write summary.json and samples.parquet (the tiers "
+                     "each virtual hour, per policy) here")
+    run.add_argument("--requests-table", action="store_true",
+                     help="with --out: also requests-POLICY.parquet, one row per request (no checkpoints then)")
     run.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
     report = sub.add_parser("report", help="the standard experiments: sweeps, plots, tables and a report")
@@ -111,7 +115,8 @@ def _requests(spec):
     return workload.synthetic(workload.Profile.model_validate(spec[1]))
 
 
-def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, checkpoint_dir: str | None = None) -> dict:
+def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, checkpoint_dir: str | None = None,
+              table_path: str | None = None) -> dict:
     import hashlib
 
     import torch
@@ -148,7 +153,12 @@ def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, check
         checkpoint = Path(checkpoint_dir) / f"{policy}-{tag[:16]}.npz"
         if checkpoint.exists() and show_progress:
             print(f"resuming from {checkpoint}", file=sys.stderr)
-    result = simulate(config, _requests(spec), progress, checkpoint=checkpoint, checkpoint_every_s=60.0)
+    from cluster.cachesim.simulate import RequestTable
+
+    table = RequestTable(Path(table_path)) if table_path else None
+    result = simulate(config, _requests(spec), progress, checkpoint=checkpoint, checkpoint_every_s=60.0, table=table)
+    if table is not None:
+        table.close()
     if show_progress:
         print(file=sys.stderr)
     samples = result.samples
@@ -175,14 +185,20 @@ def run(args: argparse.Namespace) -> int:
         spec = _workload(args)
     except (FileNotFoundError, ValueError, OSError) as error:
         raise UserError(str(error)) from None
+    if args.requests_table and args.out is None:
+        raise UserError("--requests-table needs --out")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
     shrink = args.shrink if args.shrink is not None else (1000 if args.mode == "exact" else 1)
     fields = {"ram_bytes": int(args.ram_gb * 2**30), "ssd_bytes": None if args.ssd_tb is None else int(args.ssd_tb * 1e12),
               "chunk_retention_hours": args.retention_hours, "window_ttl_minutes": args.window_ttl_min,
               "mode": args.mode, "shrink": shrink, "hours": args.hours,
               "model": str(args.model) if args.model else None}
     with ProcessPoolExecutor(max_workers=len(policies)) as pool:
-        checkpoints = None if args.no_checkpoint else str(args.checkpoint_dir)
-        futures = [pool.submit(_simulate, policy, dict(fields), spec, i == 0, checkpoints)
+        checkpoints = None if args.no_checkpoint or args.requests_table else str(args.checkpoint_dir)
+        tables = {policy: str(args.out / f"requests-{policy}.parquet") if args.requests_table else None
+                  for policy in policies}
+        futures = [pool.submit(_simulate, policy, dict(fields), spec, i == 0, checkpoints, tables[policy])
                    for i, policy in enumerate(policies)]
         results = {policy: future.result() for policy, future in zip(policies, futures)}
     first = next(iter(results.values()))
@@ -196,6 +212,16 @@ def run(args: argparse.Namespace) -> int:
     if {"v41", "v4"} <= set(results):
         report["stored_bytes_v41_over_v4"] = round(results["v41"]["mean_stored_bytes"] /
                                                    max(1.0, results["v4"]["mean_stored_bytes"]), 4)
+    if args.out is not None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist([
+            {"policy": policy, "time_h": s["time_s"] / 3600, "requests": s["requests"],
+             **{f"objects_{t}": n for t, n in s["objects"].items()}, **{f"bytes_{t}": b for t, b in s["bytes"].items()},
+             "chunk_bytes_written": s["chunk_bytes_written"], "window_bytes_written": s["window_bytes_written"]}
+            for policy, r in results.items() for s in r["samples"]]), args.out / "samples.parquet")
+        (args.out / "summary.json").write_text(json.dumps(report, indent=1) + "\n")
     _print_table(report)
     if args.json:
         print(json.dumps(report))
