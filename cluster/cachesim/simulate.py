@@ -17,6 +17,9 @@ those rewrites; ``chunk_bytes_written`` counts new chunks only). Two approximati
 reading part of an extent refreshes all of it (counted: ``partial_extent_reads``), and
 an extent is evicted whole.
 
+With ``extents=False`` every chunk is its own object, as the live store keeps them
+(``v41 cache-sim validate`` runs so, where capacity eviction must match chunk by chunk).
+
 Modes: ``exact`` stores real payloads (sizes divided by ``shrink``) in files under a
 temporary directory; ``scale`` keeps sizes only (``SizedSsdTier``: the same policy
 code, no I/O). Both give the same counters on the same input (tested).
@@ -37,6 +40,7 @@ from pathlib import Path
 
 from cluster.cachesim.sizes import Sizes
 from cluster.cachesim.workload import CHUNK_TOKENS, Request, WindowId
+from storage.codec import HEADER_BYTES
 from storage.keys import Fingerprint, Kind, ObjectKey
 from storage.policy import RetentionPolicy, TierName
 from storage.store import StoreConfig, TieredStore
@@ -62,6 +66,7 @@ class SimConfig:
     decode_tokens_per_s: float = 50.0  # ... then the answer (a synthetic profile's rates: the same)
     sample_every_s: float = 3600.0
     hours: float | None = None  # stop after this much virtual time (None: the whole workload)
+    extents: bool = True  # False: one object per chunk, as the live store keeps them (slower; validate)
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "scale"):
@@ -176,6 +181,7 @@ class Simulator:
         # have left the store since; the store is asked).
         self._extents: dict[int, dict[int, tuple[int, ObjectKey]]] = {}
         self._chunk_size = config.sizes.chunk_bytes
+        self.earlier_stores: list = []  # the stats of the stores a restart closed
         # The run loop's state (kept here so that a checkpoint holds it).
         self._pending: list[tuple] = []
         self._next_gc, self._next_sample = config.gc_interval_s, 0.0
@@ -192,8 +198,10 @@ class Simulator:
                 if not extents:
                     del self._extents[owner]
 
-    def _payload(self, size: int) -> bytes:
-        size = max(1, size // self.config.shrink)
+    def _payload(self, stored: int) -> bytes:
+        """A payload whose file on SSD (envelope included) is ``stored`` bytes: what RAM
+        holds is the payload alone, as in the store."""
+        size = max(1, (stored - HEADER_BYTES) // self.config.shrink)
         return SizedPayload(size) if self.config.mode == "scale" else bytes(size)
 
     # -- events ------------------------------------------------------------------------
@@ -248,6 +256,10 @@ class Simulator:
             position += end - first
             if lo >= end:
                 continue
+            if not self.config.extents:
+                for index in range(lo, end):
+                    self._put_extent(owner, index, index + 1, new=1)
+                continue
             start = lo
             for extent_owner, extent_first, extent_end in reversed(found):
                 if extent_owner != owner or extent_end != start:
@@ -292,6 +304,7 @@ class Simulator:
         files (exact mode: scale mode keeps no files to reopen)."""
         if self.config.mode != "exact":
             raise ValueError("a restart needs the exact mode (the SSD tier reopens its files)")
+        self.earlier_stores.append(self.store.stats())  # a reopened store counts from zero
         self.store.close()
         self.store = TieredStore(self._store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped)
 

@@ -84,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument("--max-prompt-tokens", type=int, default=4000, help="prompts cut to this length")
     check.add_argument("--max-tokens", type=int, default=4, help="answers cut to this length")
     check.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
+    check.add_argument("--ram-mb", type=float, default=1024.0, help="the node's RAM pool (small: RAM evicts)")
     check.add_argument("--no-restart", action="store_true", help="do not restart the store halfway")
     check.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
@@ -335,7 +336,7 @@ def validate(args: argparse.Namespace) -> int:
     model = args.model or default_model()
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
-    for name in ("conversations", "speedup", "max_prompt_tokens", "max_tokens", "concurrency", "minutes"):
+    for name in ("conversations", "speedup", "max_prompt_tokens", "max_tokens", "concurrency", "minutes", "ram_mb"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive")
     rows = replay.trace_slice(workload.read_trace(workload.CONVERSATION_TRACE), args.conversations, args.minutes,
@@ -344,7 +345,7 @@ def validate(args: argparse.Namespace) -> int:
         raise UserError("the slice holds fewer than two requests: take more --conversations or --minutes")
     vocab = ModelConfig.from_dict(json.loads((model / "config.json").read_text())).text.vocab_size
     chunk_tokens = workload.CHUNK_TOKENS
-    ram_bytes = 1 << 30
+    ram_bytes = int(args.ram_mb * (1 << 20))
     app_args = {"model": str(model), "chunk_tokens": chunk_tokens, "ram_capacity_bytes": ram_bytes,
                 "max_model_len": args.max_prompt_tokens + args.max_tokens + 64, "speculation": "off"}
     restart_at = None if args.no_restart else len(rows) // 2
@@ -374,9 +375,12 @@ def validate(args: argparse.Namespace) -> int:
     # The simulator on the same rows, at the times the cluster saw them.
     timed = [dict(row, timestamp=s.sent_s * 1000.0) for row, s in zip(rows, sent)]
     requests = sorted(workload.trace_requests(timed, done_s=[s.done_s for s in sent]), key=lambda r: r.time_s)
-    config = SimConfig(sizes_module.from_config(model, chunk_tokens), ram_bytes=ram_bytes, mode="exact", shrink=1)
+    config = SimConfig(sizes_module.from_config(model, chunk_tokens), ram_bytes=ram_bytes, mode="exact", shrink=1,
+                       extents=False)  # one object per chunk, as the store keeps them
     with Simulator(config) as simulator:
         result = simulator.run(requests, restarts=[] if restarted_s is None else [restarted_s])
+        simulated_evictions = result.store["tiers"]["ram"]["evictions"] + sum(
+            stats.tiers["ram"].evictions for stats in simulator.earlier_stores)
     simulated = {key: result.rates[key] for key in ("hit_rate_ram", "hit_rate_ssd", "hit_rate")}
     diffs = {key: abs(live[key] - simulated[key]) for key in simulated}
     report = {"requests": len(sent), "conversations": args.conversations, "prompt_tokens": sum(s.prompt_tokens
@@ -384,14 +388,18 @@ def validate(args: argparse.Namespace) -> int:
               "live": {k: round(v, 4) for k, v in live.items()}, "simulated": {k: round(v, 4) for k, v in
                                                                                simulated.items()},
               "abs_diff": {k: round(v, 4) for k, v in diffs.items()},
-              "max_abs_hit_rate_diff": round(max(diffs.values()), 4), "wall_s": round(time.time() - started, 1)}
+              "max_abs_hit_rate_diff": round(max(diffs.values()), 4), "ram_mb": args.ram_mb,
+              "evictions": {"live_ram": before.get("ram", {}).get("evictions", 0) + after.get("ram", {}).get("evictions", 0),
+                            "simulated_ram": simulated_evictions},
+              "wall_s": round(time.time() - started, 1)}
     print(f"v41 cache-sim validate: {report['requests']} requests of {args.conversations} conversations "
           f"({report['prompt_tokens']:,} prompt tokens), replayed in {report['replay_s']} s"
           + ("" if restarted_s is None else f", the store restarted at {restarted_s:.1f} s"))
     print(f"{'hit rate':<10} {'live':>7} {'sim':>7} {'diff':>7}")
     for key, label in (("hit_rate_ram", "RAM"), ("hit_rate_ssd", "SSD"), ("hit_rate", "total")):
         print(f"{label:<10} {live[key]:>7.3f} {simulated[key]:>7.3f} {diffs[key]:>7.3f}")
-    print(f"max |live - simulated| = {report['max_abs_hit_rate_diff']:.3f}")
+    print(f"max |live - simulated| = {report['max_abs_hit_rate_diff']:.3f}; RAM evictions: live "
+          f"{report['evictions']['live_ram']}, simulated {report['evictions']['simulated_ram']}")
     if args.json:
         print(json.dumps(report))
     return 0
