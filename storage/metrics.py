@@ -52,6 +52,23 @@ class TierCounters:
             for name, delta in deltas.items():
                 self._values[name] += delta
 
+    def reads(self, hits: int, misses: int, bytes_read: int, expirations: int = 0) -> None:
+        """``add`` for a read, without building a keyword dict (the store's hot path)."""
+        with self._lock:
+            values = self._values
+            values["hits"] += hits
+            values["misses"] += misses
+            values["bytes_read"] += bytes_read
+            values["expirations"] += expirations
+
+    def writes(self, puts: int, bytes_written: int, evictions: int = 0) -> None:
+        """``add`` for a write (the hot path)."""
+        with self._lock:
+            values = self._values
+            values["puts"] += puts
+            values["bytes_written"] += bytes_written
+            values["evictions"] += evictions
+
     def snapshot(self) -> TierStats:
         with self._lock:
             return TierStats(**self._values)

@@ -214,11 +214,10 @@ class Simulator:
         totals = self.totals
         chunks = {TierName.RAM: 0, TierName.SSD: 0}
         extents = []
-        for (_, tier), key, span in zip(read, keys, spans):
-            chunks[tier] += span[1]
-            totals.partial_extent_reads += span[1] < span[0]
-            owner, first, _ = _KEY.unpack(key.digest)
-            extents.append((owner, first, first + span[0]))
+        for (_, tier), (owner, first, size, used) in zip(read, spans):
+            chunks[tier] += used
+            totals.partial_extent_reads += used < size
+            extents.append((owner, first, first + size))
         hit_chunks = chunks[TierName.RAM] + chunks[TierName.SSD]
         totals.requests += 1
         totals.input_tokens += request.input_tokens
@@ -282,9 +281,9 @@ class Simulator:
         self.store.put(key, self._payload((end - first) * self._chunk_size))
         self.totals.chunk_bytes_written += new * self._chunk_size
 
-    def _extent_keys(self, runs) -> tuple[list[ObjectKey], list[tuple[int, int]]]:
+    def _extent_keys(self, runs) -> tuple[list[ObjectKey], list[tuple[int, int, int, int]]]:
         """The stored extents that cover the runs from their start, in order, and per
-        extent (its chunks, the chunks of it the runs use)."""
+        extent (owner, first chunk, its chunks, the chunks of it the runs use)."""
         keys, spans = [], []
         for owner, first, end in runs:
             extents = self._extents.get(owner)
@@ -295,7 +294,7 @@ class Simulator:
                     return keys, spans
                 stop, key = extent
                 keys.append(key)
-                spans.append((stop - position, min(stop, end) - position))
+                spans.append((owner, position, stop - position, min(stop, end) - position))
                 position = stop
         return keys, spans
 

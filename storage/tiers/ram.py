@@ -94,7 +94,7 @@ class RamTier(LocalTier):
                     break
                 append(None)
         hits = len(results) if prefix else len(results) - misses
-        self._counters.add(hits=hits, misses=misses, bytes_read=hit_bytes, expirations=len(expired))
+        self._counters.reads(hits, misses, hit_bytes, len(expired))
         for key in expired:
             self._on_drop(key)
         return results
@@ -115,7 +115,7 @@ class RamTier(LocalTier):
             entry = _Entry(key.kind, payload, ttl, now + ttl)
             self._entries[key.digest] = self._by_kind[key.kind][key.digest] = entry
             self._bytes += size
-        self._counters.add(puts=1, bytes_written=size, evictions=len(evicted))
+        self._counters.writes(1, size, len(evicted))
         for old_key in evicted:
             self._on_drop(old_key)
         return True

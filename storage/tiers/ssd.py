@@ -200,7 +200,7 @@ class SsdTier(LocalTier):
                 results[i] = payload
                 hits += 1
                 hit_bytes += len(payload)
-        self._counters.add(hits=hits, misses=len(keys) - hits, bytes_read=hit_bytes)
+        self._counters.reads(hits, len(keys) - hits, hit_bytes)
         return results
 
     def _read(self, key: ObjectKey, entry: _Entry, now: float) -> bytes | None:
@@ -270,7 +270,7 @@ class SsdTier(LocalTier):
             old = self._index.pop(key.digest, None)
             self._bytes += size - (old.size if old else 0)
             self._index[key.digest] = _Entry(key.kind, size, now, now)
-        self._counters.add(puts=1, bytes_written=size)
+        self._counters.writes(1, size)
         return True
 
     def _header(self, key: ObjectKey, payload: bytes) -> bytes:
