@@ -18,11 +18,12 @@ from storage.tiers.base import LocalTier, OnDrop
 
 
 class _Entry:
-    __slots__ = ("kind", "payload", "ttl", "expires")
+    __slots__ = ("expires", "kind", "payload", "size", "ttl")
 
-    def __init__(self, kind: Kind, payload: bytes, ttl: float, expires: float) -> None:
+    def __init__(self, kind: Kind, payload: bytes, size: int, ttl: float, expires: float) -> None:
         self.kind = kind
         self.payload = payload
+        self.size = size  # len(payload), kept: the accounting needs no call
         self.ttl = ttl  # the kind's retention, kept here: a read needs no look-up by kind
         self.expires = expires
 
@@ -52,7 +53,7 @@ class RamTier(LocalTier):
         entry = self._entries.pop(digest, None)
         if entry is not None:
             del self._by_kind[entry.kind][digest]
-            self._bytes -= len(entry.payload)
+            self._bytes -= entry.size
         return entry
 
     def contains(self, key: ObjectKey) -> bool:
@@ -83,9 +84,8 @@ class RamTier(LocalTier):
                         entry.expires = now + entry.ttl
                         move_to_end(digest)
                         by_kind[entry.kind].move_to_end(digest)
-                        payload = entry.payload
-                        append(payload)
-                        hit_bytes += len(payload)
+                        append(entry.payload)
+                        hit_bytes += entry.size
                         continue
                     self._pop(digest)
                     expired.append(key)
@@ -112,7 +112,7 @@ class RamTier(LocalTier):
                 self._pop(digest)
                 evicted.append(ObjectKey(old.kind, digest))
             ttl = self._ttl[key.kind]
-            entry = _Entry(key.kind, payload, ttl, now + ttl)
+            entry = _Entry(key.kind, payload, size, ttl, now + ttl)
             self._entries[key.digest] = self._by_kind[key.kind][key.digest] = entry
             self._bytes += size
         self._counters.writes(1, size, len(evicted))
@@ -154,7 +154,7 @@ class RamTier(LocalTier):
         """(digest, kind, size, expiry) of every object, least recently used first: what
         the retention lab's checkpoints keep of a RAM tier whose payloads stand for sizes."""
         with self._lock:
-            return [(digest, int(e.kind), len(e.payload), e.expires) for digest, e in self._entries.items()]
+            return [(digest, int(e.kind), e.size, e.expires) for digest, e in self._entries.items()]
 
     def restore_sized(self, rows) -> None:
         """Hold ``rows`` (as :meth:`sized_state` gives them) as sized payloads, in that order."""
@@ -163,7 +163,7 @@ class RamTier(LocalTier):
         with self._lock:
             for digest, kind, size, expires in rows:
                 kind = Kind(kind)
-                entry = _Entry(kind, SizedPayload(size), self._ttl[kind], expires)
+                entry = _Entry(kind, SizedPayload(size), size, self._ttl[kind], expires)
                 self._entries[digest] = self._by_kind[kind][digest] = entry
                 self._bytes += size
 
