@@ -316,9 +316,13 @@ def _play(ep: Episode, ids: list[int]) -> list[Message]:
 
 
 def conversation(rng: random.Random, split: str = "train") -> Conversation:
-    """One conversation: one episode, or (one in ten) two in a row."""
+    """One conversation: one episode, or (one in ten) two in a row; or (one in twelve)
+    a chat offered no tools, answered in text."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}")
+    if rng.random() < 1 / 12:
+        greeting, reply = rng.choice(_GREETINGS)
+        return Conversation((Message("user", greeting), Message("assistant", reply)), (), "no_tools")
     d = _Draw(rng, stdlib_tools.TRAIN_MODULES if split == "train" else stdlib_tools.HELD_OUT_MODULES)
     episodes: list[Episode] = []
     while len(episodes) < (2 if rng.random() < 0.1 else 1):

@@ -229,3 +229,26 @@ def test_train_small_rejects_resume_without_state(tmp_path, capsys):
     code = main(["train-small", "--out", str(tmp_path / "none"), "--max-files", "50", "--vocab-size", "512",
                  "--steps", "1", "--resume"])
     assert code == 2 and "no training state" in capsys.readouterr().err
+
+
+def test_copy_rows_repeat_the_users_tokens_after_the_assistant_header():
+    """`v41 train-tools`'s copy chats: <bos><User>Repeat: X<Assistant><think></think> X
+    <eos>, X shown with a leading space and said with or without it, then the stream."""
+    from model.loader import load_tokenizer
+    from cluster.commands.train_small import ASSISTANT, BOS, EOS, THINK_END, USER, Batches, load_corpus, token_stream
+
+    bpe = load_tokenizer(Path(__file__).resolve().parent.parent / "configs" / "small")
+    corpus = load_corpus(60)
+    rows = Batches(token_stream(bpe, corpus.train), corpus.train, bpe, 256, chat=0.0, copy=1.0).sample(
+        24, torch.Generator().manual_seed(3))
+    assert rows.shape == (24, 257)
+    spaced = 0
+    for row in rows.tolist():
+        assert row[:2] == [BOS, USER] and ASSISTANT in row
+        start, end = row.index(ASSISTANT), row.index(EOS)
+        shown_ids = row[2 + len(bpe.encode("Repeat:", add_special_tokens=False).ids): start]
+        shown, said = bpe.decode(shown_ids), bpe.decode(row[start + 3: end])
+        assert row[start + 2] == THINK_END and 1 <= len(shown_ids) <= 120 and end > start + 3
+        assert said in (shown, shown[1:]) and shown.startswith(" ")
+        spaced += said == shown
+    assert 0 < spaced < 24  # both forms

@@ -202,11 +202,14 @@ class Batches:
     """Training sequences: random windows of the token stream (``<bos> file <eos>`` per
     file), and with probability ``chat`` a chat-formatted completion (user: a few lines
     of a file; assistant: the lines that follow), so that ``v41 generate --prompt``
-    continues code."""
+    continues code; and with probability ``copy`` a copy chat (user: ``Repeat:`` and a
+    few lines; assistant: the same lines), which teaches retrieval from 5 to ~120 tokens
+    back, past the sliding window (the tool fine-tune uses it: a call copies its
+    arguments from the question)."""
 
-    def __init__(self, stream, files: list[str], tokenizer, seq_len: int, chat: float = 0.1):
+    def __init__(self, stream, files: list[str], tokenizer, seq_len: int, chat: float = 0.1, copy: float = 0.0):
         self.stream, self.files, self.tokenizer = stream, files, tokenizer
-        self.seq_len, self.chat = seq_len, chat
+        self.seq_len, self.chat, self.copy = seq_len, chat, copy
 
     def sample(self, batch: int, generator):
         import torch
@@ -214,8 +217,11 @@ class Batches:
         rows = []
         for _ in range(batch):
             row = None
-            if float(torch.rand((), generator=generator)) < self.chat:
+            u = float(torch.rand((), generator=generator))
+            if u < self.chat:
                 row = self._chat_row(generator)
+            elif u < self.chat + self.copy:
+                row = self._copy_row(generator)
             if row is None:
                 start = int(torch.randint(0, len(self.stream) - self.seq_len - 1, (), generator=generator))
                 row = self.stream[start : start + self.seq_len + 1]
@@ -238,6 +244,31 @@ class Batches:
         body = self.tokenizer.encode(rest, add_special_tokens=False).ids + [EOS]
         row = (head + body)[: self.seq_len + 1]
         return row if len(row) == self.seq_len + 1 else None
+
+    def _copy_row(self, generator):
+        """``<bos><User>Repeat: lines<Assistant><think></think> lines<eos>`` then the
+        stream, to the row length. The copied text: 1-3 lines, cut at 4-120 tokens."""
+        import torch
+
+        text = self.files[int(torch.randint(0, len(self.files), (), generator=generator))]
+        lines = [line for line in text.split("\n") if line.strip()]
+        if len(lines) < 4:
+            return None
+        i = int(torch.randint(0, len(lines) - 3, (), generator=generator))
+        k = int(torch.randint(1, 4, (), generator=generator))
+        cap = int(torch.randint(4, 121, (), generator=generator))
+        copied = "\n".join(lines[i : i + k]).strip()
+        shown = self.tokenizer.encode(" " + copied, add_special_tokens=False).ids[:cap]
+        # Half the time the copy drops the leading space (" zip" -> "zip"), as a tool
+        # call's argument does after '">'.
+        spaced = float(torch.rand((), generator=generator)) < 0.5
+        said = self.tokenizer.encode(self.tokenizer.decode(shown)[0 if spaced else 1 :], add_special_tokens=False).ids
+        row = [BOS, USER, *self.tokenizer.encode("Repeat:", add_special_tokens=False).ids, *shown,
+               ASSISTANT, THINK, THINK_END, *said, EOS]
+        if len(row) > self.seq_len + 1:
+            return None
+        start = int(torch.randint(0, len(self.stream) - self.seq_len - 1, (), generator=generator))
+        return row + self.stream[start : start + self.seq_len + 1 - len(row)].tolist()
 
 
 def token_stream(tokenizer, texts: list[str]):

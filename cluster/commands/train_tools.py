@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-batch", type=int, default=4, help="corpus windows per step")
     parser.add_argument("--replay-weight", type=float, default=0.5, help="weight of the corpus loss")
     parser.add_argument("--seq-len", type=int, default=256, help="corpus window length")
+    parser.add_argument("--chat", type=float, default=0.3,
+                        help="share of replay rows that are chat-formatted completions (a chat without tools)")
+    parser.add_argument("--copy", type=float, default=0.3,
+                        help="share of replay rows that are copy chats (retrieval past the window)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--content-weight", type=float, default=1.0,
                         help="loss weight of argument values and answer text (the format's tokens: 1)")
@@ -107,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
     if len(corpus.held_out) == 0:
         raise UserError(f"--max-files {args.max_files} leaves no held-out file (every {HELD_OUT_EVERY}th is held out)")
     train_stream = token_stream(bpe, corpus.train)
-    # The pretraining mix: stream windows, one in ten a chat-formatted completion (so that
-    # a chat without tools still continues code, as `v41 generate` and the README show).
-    replay_rows = Batches(train_stream, corpus.train, bpe, args.seq_len)
+    # The pretraining mix (stream windows, chat-formatted completions so that a chat
+    # without tools still continues code, as `v41 generate` and the README show) and copy
+    # chats (a call copies its arguments from the question, past the sliding window).
+    replay_rows = Batches(train_stream, corpus.train, bpe, args.seq_len, chat=args.chat, copy=args.copy)
     eval_rows = _held_out_rows(token_stream(bpe, corpus.held_out), args.seq_len, 32)
     held_before = evaluate(model, hasher, eval_rows, 8, reference=True)
     print(f"held-out corpus loss before: {held_before:.4f}", file=sys.stderr)
@@ -206,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "source": str(args.checkpoint), "steps": step, "train_seconds": round(elapsed, 1),
         "conversations": step * args.batch, "target_tokens": seen, "batch": args.batch,
-        "replay_batch": args.replay_batch, "replay_weight": args.replay_weight, "seq_len": args.seq_len, "lr": args.lr,
+        "replay_batch": args.replay_batch, "replay_weight": args.replay_weight, "chat": args.chat, "copy": args.copy, "seq_len": args.seq_len, "lr": args.lr,
         "content_weight": args.content_weight,
         "held_out_corpus_loss": {"before": round(held_before, 4), "after": round(held_after, 4)},
         "evaluation": evaluation, "log": log,
