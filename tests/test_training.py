@@ -234,8 +234,8 @@ def test_train_small_rejects_resume_without_state(tmp_path, capsys):
 def test_copy_rows_repeat_the_users_tokens_after_the_assistant_header():
     """`v41 train-tools`'s copy chats: <bos><User>Repeat: X<Assistant><think></think> X
     <eos>, X shown with a leading space and said with or without it, then the stream."""
-    from model.loader import load_tokenizer
     from cluster.commands.train_small import ASSISTANT, BOS, EOS, THINK_END, USER, Batches, load_corpus, token_stream
+    from model.loader import load_tokenizer
 
     bpe = load_tokenizer(Path(__file__).resolve().parent.parent / "configs" / "small")
     corpus = load_corpus(60)
