@@ -94,15 +94,21 @@ def _requests(job: Job):
     return workload.synthetic(workload.Profile.named("agent", sessions=job.sessions, hours=job.hours))
 
 
-def run_job(job: Job) -> dict:
+def policy_sizes() -> dict:
+    """Object sizes per policy (built once: serialising the released config takes ~1 s)."""
+    from cluster.cachesim import sizes as sizes_module
+
+    return {"v41": sizes_module.from_config(), "v4": sizes_module.v4_flash()}
+
+
+def run_job(job: Job, sizes_by_policy: dict) -> dict:
     """One simulation: a row of ``runs.parquet`` (and its samples when kept)."""
     import torch
 
-    from cluster.cachesim import sizes as sizes_module
     from cluster.cachesim.simulate import SimConfig, simulate
 
     torch.set_num_threads(1)
-    sizes = sizes_module.v4_flash() if job.policy == "v4" else sizes_module.from_config()
+    sizes = sizes_by_policy[job.policy]
     config = SimConfig(sizes, ram_bytes=int(job.ram_gb * 2**30), chunk_retention_hours=job.retention_h,
                        window_ttl_minutes=job.window_ttl_min,
                        hours=job.hours if job.workload == "agent" else None)
@@ -146,9 +152,10 @@ def run_all(out: Path, agent_sessions: int, agent_hours: float, cost: Cost = Cos
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     todo = jobs(agent_sessions, agent_hours, trace_rows)
+    sizes = policy_sizes()
     rows, samples = [], []
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        for n, result in enumerate(pool.map(run_job, todo), 1):
+        for n, result in enumerate(pool.map(run_job, todo, [sizes] * len(todo)), 1):
             rows.append(with_cost(result["row"], cost))
             samples += [{"workload": result["row"]["workload"], "policy": result["row"]["policy"], **s}
                         for s in result["samples"]]
