@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from storage.keys import Fingerprint, ObjectKey
@@ -152,9 +152,11 @@ def _store_actor(settings: StoreSettings, fingerprint: bytes, node_id: str, name
 class RemoteStore:
     """The :class:`actors.prefill.StoreLike` face of a store actor (blocking calls).
 
-    A read that fails or takes longer than ``timeout_s`` (the actor is restarting) is a
-    miss for every key, and so is every read for ``STORE_RETRY_S`` after it (one wait per
-    request, not one per read); a failed write is dropped. With ``settings``, a failure also
+    A read of an actor that Ray is restarting waits for it (the restarted store reads its
+    SSD slot, and the turns sent in that second should find their cache there). A read
+    that fails otherwise, or gets no answer within ``timeout_s`` (hung, or still not back),
+    is a miss for every key, and so is every read for ``STORE_RETRY_S`` after it (one wait
+    per request, not one per read); a failed write is dropped. With ``settings``, a failure also
     re-sends them, or replaces an actor that is gone for good.
     """
 
@@ -168,9 +170,20 @@ class RemoteStore:
     def get_many(self, keys: list[ObjectKey]) -> list[bytes | None]:
         if time.monotonic() < self._down_until:
             return [None] * len(keys)
-        try:
-            return ray.get(self.handle.get_many.remote(keys), timeout=self._timeout_s)
-        except (RayError, GetTimeoutError):
+        deadline = time.monotonic() + self._timeout_s
+        pause = 0.05
+        while True:
+            try:
+                return ray.get(self.handle.get_many.remote(keys), timeout=max(0.0, deadline - time.monotonic()))
+            except ActorUnavailableError:
+                # Restarting (Ray brings it back on its SSD slot in about a second): a
+                # read is safe to repeat, and waiting for the SSD beats encoding again.
+                if time.monotonic() + pause < deadline:
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.5)
+                    continue
+            except (RayError, GetTimeoutError):
+                pass
             self._down_until = time.monotonic() + STORE_RETRY_S
             self.recover()
             return [None] * len(keys)

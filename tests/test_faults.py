@@ -172,6 +172,21 @@ def test_a_hung_then_killed_store_actor_degrades_and_heals(app, client):
     wait_until(lambda: turn(client, "after the store came back")[0] == cached, 30, "the turn cached again")
 
 
+def test_a_turn_sent_while_the_store_restarts_reads_its_ssd_slot(app, client):
+    cached = stored_turn(client)
+    store = node_store_actor()
+    pid = ray.get(store.pid.remote())
+    ray.get(store.flush.remote())  # the history's chunks are on the SSD
+    ray.kill(store, no_restart=False)
+    wait_until(lambda: not Path(f"/proc/{pid}").exists(), 30, "the store process's end")
+    started = time.monotonic()  # Ray is starting it again: the turn's reads wait for it
+    served, answer = turn(client, "sent while the store restarts")
+    print(f"\nturn sent while the store restarted: {served} of {cached} tokens cached, "
+          f"{time.monotonic() - started:.1f} s")
+    assert answer and served == cached
+    assert ray.get(node_store_actor().pid.remote()) != pid
+
+
 def test_a_stopped_then_killed_redis_degrades_and_heals(app, client):
     url, supervisor, _ = app
     cached = stored_turn(client)
