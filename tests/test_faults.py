@@ -169,7 +169,7 @@ def test_a_hung_then_killed_store_actor_degrades_and_heals(app, client):
     wait_until(lambda: health(url)["status"] == "ok", 60, "healthy again")
     print(f"store SIGKILLed: healthy again after {time.monotonic() - killed:.1f} s")
     assert ray.get(node_store_actor().pid.remote()) != pid
-    wait_until(lambda: turn(client, "after the store came back")[0] == cached, 30, "the turn cached again")
+    wait_until(lambda: turn(client, "after the store came back")[0] >= cached, 30, "the turn cached again")
 
 
 def test_a_turn_sent_while_the_store_restarts_reads_its_ssd_slot(app, client):
@@ -206,7 +206,9 @@ def test_a_stopped_then_killed_redis_degrades_and_heals(app, client):
     wait_until(lambda: supervisor.restarts == restarts + 1 and health(url)["status"] == "ok", 30, "Redis back")
     print(f"\nRedis SIGKILLed: restarted and healthy after {time.monotonic() - killed:.2f} s")
     # The new Redis is empty; the store republishes what it holds and the index routes again.
-    wait_until(lambda: turn(client, "after Redis came back")[0] == cached, 30, "the turn cached again")
+    # (A turn sent before that is encoded afresh and stores its own prompt, so the ones
+    # after it may read more than the history: at least the history is the property.)
+    wait_until(lambda: turn(client, "after Redis came back")[0] >= cached, 30, "the turn cached again")
     print(f"index republished, returning turn cached again after {time.monotonic() - killed:.2f} s")
 
 
