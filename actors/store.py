@@ -225,6 +225,20 @@ def store_actors(namespace: str = "v41") -> dict:
     return handles
 
 
+def tier_totals(namespace: str = "v41") -> dict[str, dict[str, int]]:
+    """Every counter of every tier (hits, misses, puts, evictions...), summed over the
+    store actors of all live nodes. A restarted store counts from zero."""
+    from dataclasses import asdict
+
+    totals: dict[str, dict[str, int]] = {}
+    for store in store_actors(namespace).values():
+        for tier, counters in ray.get(store.stats.remote()).tiers.items():
+            row = totals.setdefault(tier, {})
+            for key, value in asdict(counters).items():
+                row[key] = row.get(key, 0) + value
+    return totals
+
+
 def peer_store(node_id: str, namespace: str = "v41") -> RemoteStore | None:
     """The store actor of another node (None if that node has none): reading from it
     moves the bytes node to node, through Ray's object transfer."""

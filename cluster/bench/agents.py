@@ -132,19 +132,6 @@ async def _loop(session, url: str, model: str, agent: _Agent, stop_at: float, ar
             return
 
 
-def _store_hits(namespace: str = "v41") -> dict[str, int]:
-    """Hits per tier over every node's store (fresh per policy)."""
-    import ray
-
-    from actors.store import store_actors
-
-    hits: dict[str, int] = {}
-    for store in store_actors(namespace).values():
-        for tier, counters in ray.get(store.stats.remote()).tiers.items():
-            hits[tier] = hits.get(tier, 0) + counters.hits
-    return hits
-
-
 def _drop_stores(namespace: str = "v41") -> None:
     """Kill every node's store actor: the next policy starts with empty caches."""
     import ray
@@ -213,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
+    from actors.store import tier_totals
     from cluster.cli import UserError
     from cluster.commands.serve import default_model, local_app, use_serve_environment
     from cluster.config import AppConfig
@@ -243,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
                         "max_model_len": args.depth + 8192, "ssd_dir": f"{cache_root}/{policy}/{{node}}"}
             with local_app(app_args, port=port, address=cluster.address):
                 turns, elapsed = asyncio.run(_workload(f"http://127.0.0.1:{port}", name, args))
-                hits = _store_hits()
+                hits = {tier: row["hits"] for tier, row in tier_totals().items()}
                 _drop_stores()
             results[policy] = _summary(turns, elapsed, hits)
             ray.shutdown()

@@ -296,20 +296,6 @@ def _restart_store() -> None:
     raise RuntimeError("the store actor did not come back within 120 s")
 
 
-def _store_tiers() -> dict[str, dict]:
-    import ray
-
-    from actors.store import store_actors
-
-    totals: dict[str, dict] = {}
-    for store in store_actors().values():
-        for tier, counters in ray.get(store.stats.remote()).tiers.items():
-            row = totals.setdefault(tier, {})
-            for key, value in asdict(counters).items():
-                row[key] = row.get(key, 0) + value
-    return totals
-
-
 def _live(sent, ssd_hits: int, chunk_tokens: int) -> dict[str, float]:
     prompt = sum(s.prompt_tokens for s in sent)
     cached = sum(s.cached_tokens for s in sent)
@@ -323,6 +309,7 @@ def validate(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
+    from actors.store import tier_totals
     from cluster.cachesim import replay, workload
     from cluster.cachesim import sizes as sizes_module
     from cluster.cachesim.simulate import SimConfig, Simulator
@@ -355,7 +342,7 @@ def validate(args: argparse.Namespace) -> int:
     before: dict[str, dict] = {}
 
     async def restart() -> None:
-        before.update(_store_tiers())  # a restarted store counts from zero
+        before.update(tier_totals())  # a restarted store counts from zero
         await asyncio.to_thread(_restart_store)
 
     try:
@@ -363,7 +350,7 @@ def validate(args: argparse.Namespace) -> int:
             name = AppConfig.from_args({"model": str(model)}).model_name
             sent, restarted_s = asyncio.run(replay.replay(f"http://127.0.0.1:{port}", name, rows, vocab,
                                                           args.speedup, args.concurrency, restart_at, restart))
-            after = _store_tiers()
+            after = tier_totals()
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     failed = [s for s in sent if s.status != 200]
