@@ -36,15 +36,22 @@ class Router(nn.Module):
         self.bias_vl = nn.Parameter(torch.zeros(n_experts))
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = _score(F.linear(x.float(), self.weight.float()) / self.gate_temp, self.scoring_func)
         bias = self.bias.float()
         if image_mask is not None:
             bias = torch.where(image_mask.reshape(-1, 1), self.bias_vl.float(), bias)
-        indices = (scores + bias).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(-1, indices)
-        if self.norm_topk_prob and self.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, indices
+        return route(x, self.weight, bias, self.top_k, self.scoring_func, self.gate_temp, self.norm_topk_prob,
+                     self.scaling)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scoring_func: str,
+          gate_temp: float, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`Router` as a function of its weights: (weights [N, k] fp32, indices [N, k])."""
+    scores = _score(F.linear(x.float(), weight.float()) / gate_temp, scoring_func)
+    indices = (scores + bias).topk(top_k, dim=-1).indices
+    weights = scores.gather(-1, indices)
+    if norm_topk_prob and top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, indices
 
 
 class Expert(nn.Module):
@@ -58,14 +65,17 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
-        if self.limit > 0:
-            up = up.clamp(-self.limit, self.limit)
-            gate = gate.clamp(max=self.limit)
-        y = F.silu(gate) * up
-        if weight is not None:
-            y = y * weight
-        return self.w2(y.to(x.dtype))
+        return self.w2(swiglu(self.w1(x).float(), self.w3(x).float(), self.limit, weight).to(x.dtype))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The expert's activation of its two projections (clamped at ``limit`` > 0),
+    times the routing ``weight`` if given."""
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    y = F.silu(gate) * up
+    return y if weight is None else y * weight
 
 
 class MoE(nn.Module):

@@ -119,23 +119,26 @@ def test_bounded_replay_is_exact_within_a_window_and_bounded_beyond(tiny):
     assert torch.isfinite(bounded).all() and (bounded - exact).abs().max() > 0
 
 
-def test_batch_of_four_equals_each_alone(tiny):
-    model, hasher = tiny
-    engine = Engine(model, hasher, bounded_replay=True)
-    prompts = [_tokens(n, 10 + n) for n in (40, 97, 150, 61)]
-    alone = [_greedy(engine, p, 10)[0] for p in prompts]
+def test_batch_of_four_agrees_with_each_alone(golden_model, golden_hasher, golden_prompts):
+    """Sequences that join and leave a batch get the logits they get alone. Not bit for
+    bit: a batch's projections multiply [N, D] at once, another kernel order than
+    [1, D] (on this AMD machine a 4-row Linear differs from four 1-row ones in the last
+    bit), so to the golden tolerance, teacher-forced (both runs feed the same tokens)."""
+    _, model = golden_model
+    engine = Engine(model, golden_hasher, bounded_replay=True)
+    prompts = [golden_prompts[0], golden_prompts[1], golden_prompts[2], golden_prompts[1][:97]]
+    alone = [_greedy(engine, p, 9) for p in prompts]  # (tokens, logits [10, V])
     caches = [engine.new_cache() for _ in prompts]
-    last = [int(engine.replay(c, engine.prefill(c, p)).argmax()) for c, p in zip(caches, prompts)]
-    together = [[t] for t in last]
+    together = [[engine.replay(c, engine.prefill(c, p))] for c, p in zip(caches, prompts)]
     # Requests join and leave: the second joins late, the last leaves early.
     for step in range(9):
         active = [i for i in range(4) if not (i == 1 and step < 3) and not (i == 3 and step >= 6)]
-        for i, logits in zip(active, engine.decode([(caches[i], [together[i][-1]]) for i in active])):
-            together[i].append(int(logits[-1].argmax()))
-    for i in (0, 2):
-        assert together[i] == alone[i]
-    assert together[1] == alone[1][: len(together[1])]
-    assert together[3] == alone[3][: len(together[3])]
+        fed = [alone[i][0][len(together[i]) - 1] for i in active]
+        for i, logits in zip(active, engine.decode([(caches[i], [t]) for i, t in zip(active, fed)])):
+            together[i].append(logits[-1])
+    assert [len(t) for t in together] == [10, 7, 10, 7]
+    for (_, expected, _), got in zip(alone, together):
+        assert (torch.stack(got) - expected[: len(got)]).abs().max() < 1e-4
 
 
 def test_restore_rebuilds_expired_windows(tiny):

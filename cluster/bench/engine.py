@@ -1,4 +1,5 @@
-"""`v41 bench engine`: decode step time against context length, CED prefill against full depth.
+"""`v41 bench engine`: decode step time against context length, CED prefill against full depth,
+the compiled layer step against the eager one.
 
 On a small config whose window and top-k are small against the context (by default
 ``configs/tiny``: window 32, top-16 entries, 8 candidate blocks of 4):
@@ -32,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed decode steps per context")
     parser.add_argument("--prompt-tokens", type=int, default=4096, help="prefill prompt length")
     parser.add_argument("--repeats", type=int, default=3, help="prefill repetitions per path")
+    parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"),
+                        help="the compiled-vs-eager decode runs on these trained weights")
+    parser.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per round (compiled vs eager)")
+    parser.add_argument("--rounds", type=int, default=3, help="paired rounds of compiled and eager decode")
+    parser.add_argument("--no-compiled", action="store_true", help="skip the compiled-vs-eager comparison")
 
 
 def _time(fn) -> float:
@@ -100,6 +106,64 @@ def run(args: argparse.Namespace) -> int:
     }
     if 2048 in decode and 32768 in decode:
         result["decode_step_ratio_32k_over_2k"] = round(decode[32768] / decode[2048], 4)
+    if not args.no_compiled:
+        result.update(_compiled_vs_eager(args))
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _compiled_vs_eager(args: argparse.Namespace) -> dict:
+    """Decode tokens/s of the compiled layer step against the eager one on trained
+    weights, at batch 1 and 16: rounds alternate the two (paired), each from fresh
+    caches after a 300-token prompt; the ratio is the median of the rounds' ratios."""
+    import torch
+
+    from model.engram import EngramLayout, NgramHasher
+    from model.loader import load_model, load_tokenizer
+    from model.runtime.engine import Engine
+
+    config, model = load_model(args.checkpoint)
+    model.eval()
+    hasher = None
+    if config.text.engram_layer_ids:
+        hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(config.text), load_tokenizer(args.checkpoint))
+    eager = Engine(model, hasher)
+    started = time.perf_counter()
+    fast = Engine(model, hasher, compiled=True)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(16, config.text.vocab_size, (300,), generator=generator).tolist() for _ in range(16)]
+
+    def tokens_per_s(engine: Engine, batch: int, steps: int) -> tuple[float, list[list[int]]]:
+        caches = [engine.new_cache() for _ in range(batch)]
+        tokens = [[int(engine.replay(c, engine.prefill(c, p)).argmax())] for c, p in zip(caches, prompts)]
+        begin = time.perf_counter()
+        for _ in range(steps):
+            for row, logits in zip(tokens, engine.decode([(c, [row[-1]]) for c, row in zip(caches, tokens)])):
+                row.append(int(logits[-1].argmax()))
+        return batch * steps / (time.perf_counter() - begin), tokens
+
+    for batch in (1, 2, 16):  # compile the step's shapes (the first decode of each count), then warm both
+        tokens_per_s(fast, batch, 2)
+    compile_s = time.perf_counter() - started
+    tokens_per_s(eager, 16, 2)
+    rows, out = {}, {"compiled_checkpoint": str(args.checkpoint), "compile_s": round(compile_s, 1)}
+    for batch in (1, 16):
+        steps = args.decode_steps if batch == 1 else max(4, args.decode_steps // 4)
+        pairs = []
+        for _ in range(args.rounds):
+            eager_rate, eager_tokens = tokens_per_s(eager, batch, steps)
+            fast_rate, fast_tokens = tokens_per_s(fast, batch, steps)
+            pairs.append((eager_rate, fast_rate, eager_tokens == fast_tokens))
+        ratio = statistics.median(f / e for e, f, _ in pairs)
+        rows[batch] = (statistics.median(e for e, _, _ in pairs), statistics.median(f for _, f, _ in pairs), ratio,
+                       all(same for _, _, same in pairs))
+        out[f"fast_over_eager_decode_batch{batch}"] = round(ratio, 3)
+        out[f"decode_tokens_per_s_batch{batch}"] = {"eager": round(rows[batch][0], 1),
+                                                     "compiled": round(rows[batch][1], 1)}
+        out[f"same_greedy_tokens_batch{batch}"] = rows[batch][3]
+    print(f"\ndecode on {args.checkpoint} (300-token prompts; compiled: {compile_s:.0f} s to compile and warm)")
+    print(f"{'batch':>6}  {'eager tok/s':>11}  {'compiled tok/s':>14}  {'ratio':>6}  {'same tokens':>11}")
+    for batch, (eager_rate, fast_rate, ratio, same) in rows.items():
+        print(f"{batch:>6}  {eager_rate:>11.1f}  {fast_rate:>14.1f}  {ratio:>6.2f}  {same!s:>11}")
+    return out

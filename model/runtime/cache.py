@@ -60,16 +60,26 @@ class PackedRows:
 
     def append(self, raw: torch.Tensor) -> torch.Tensor:
         """Quantise ``raw`` [m, dim] and append it; returns the stored values [m, dim]."""
+        return self.append_encoded(*self.encode(raw))
+
+    def encode(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``raw`` [m, dim] as :meth:`append` would store it: (bytes [m, row_bytes],
+        values [m, dim]). Row by row: the rows of several caches encoded at once get
+        the bytes each would get alone."""
         packed = self.fmt.quantize(raw)
-        return self.append_bytes(torch.cat((packed.data, packed.scales), dim=-1))
+        rows = torch.cat((packed.data, packed.scales), dim=-1)
+        return rows, self.decode(rows)
 
     def append_bytes(self, rows: torch.Tensor) -> torch.Tensor:
         """Append rows given as bytes [m, row_bytes]; returns their values [m, dim]."""
-        m = rows.shape[0]
         if rows.shape[-1] != self.row_bytes:
             raise ValueError(f"rows of {rows.shape[-1]} bytes, expected {self.row_bytes}")
+        return self.append_encoded(rows, self.decode(rows))
+
+    def append_encoded(self, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Append rows already encoded (:meth:`encode`): bytes and their values."""
+        m = rows.shape[0]
         self._reserve(self.n + m)
-        values = self.decode(rows)
         self._data[self.n : self.n + m] = rows
         self._values[self.n : self.n + m] = values
         self.n += m

@@ -37,13 +37,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .. import mhc
 from ..attention import candidate_entries, top_k
 from ..config import AttentionMode
 from ..engram import NgramContext, NgramHasher
 from ..transformer import Block, Transformer
-from .cache import SequenceCache
+from .cache import SequenceCache, Window
 
 
 @dataclass
@@ -134,8 +135,15 @@ class Engine:
     """Runs a :class:`Transformer` over :class:`SequenceCache` objects. No I/O, no Ray."""
 
     def __init__(self, model: Transformer, hasher: NgramHasher | None, bounded_replay: bool = True,
-                 query_chunk: int = 128, prefill_chunk: int = 1024):
+                 query_chunk: int = 128, prefill_chunk: int = 1024, compiled: bool = False):
+        """``compiled``: steps of few tokens (decode, verify, short replays) run each
+        block's per-token work compiled (:mod:`model.runtime.compiled`)."""
         self.model, self.hasher, self.bounded_replay = model, hasher, bounded_replay
+        self.compiled = None
+        if compiled:
+            from model.runtime.compiled import CompiledBlocks
+
+            self.compiled = CompiledBlocks(model)
         self.config = model.config
         self.query_chunk, self.prefill_chunk = query_chunk, prefill_chunk
         self.decoder_start = self.config.decoder_start
@@ -305,14 +313,18 @@ class Engine:
         returns that map, called only when the first Engram layer is reached.
         """
         picks: list[dict] = [{} for _ in segments]  # per sequence: this step's indexer picks
+        run_block = self.compiled if self.compiled is not None and self.compiled.handles(streams.shape[0]) else None
         for index in layers:
             block = self.model.layers[index]
             if tap is not None and index in tap.layers:
                 tap.streams[index] = streams
             def attend(x, block=block):
-                return torch.cat([self._attention(block, s, x[s.lo : s.hi], p) for s, p in zip(segments, picks)])
+                return self._attention(block, segments, x, picks)
 
-            streams, pre = block(streams, pre, attend, self._rows_of(block, rows))
+            if run_block is not None:
+                streams, pre = run_block(block, streams, pre, attend, self._rows_of(block, rows))
+            else:
+                streams, pre = block(streams, pre, attend, self._rows_of(block, rows))
         return streams, pre
 
     @staticmethod
@@ -361,23 +373,61 @@ class Engine:
             cache.keys[source].append(new_keys[0])
         cache.pending[source] = rows[n_groups * ratio :]
 
-    def _attention(self, block: Block, segment: _Segment, x: torch.Tensor, picks: dict) -> torch.Tensor:
-        """One sequence's attention at one layer: x [n, D] -> [n, D]."""
-        plan, attn, cache, positions = block.plan, block.attn, segment.cache, segment.positions
+    def _attention(self, block: Block, segments: list[_Segment], x: torch.Tensor, picks: list[dict]) -> torch.Tensor:
+        """One layer's attention over the flat batch: x [N, D] -> [N, D]. The per-token
+        work (projections, rotary, the attention itself) runs once over every
+        sequence's tokens; what reads a sequence's caches runs per sequence."""
+        plan, attn = block.plan, block.attn
+        positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         cos, sin = self.model.rotary[plan.rope](positions[None])
         q, q_residual = attn.queries(x[None], cos, sin)
-        window = cache.windows[plan.index]
-        if window is None:
-            window = cache.new_window(plan.index, int(positions[0]))
-        if window.end != int(positions[0]):
-            raise ValueError(f"layer {plan.index}: window ends at {window.end}, tokens start at {int(positions[0])}")
-        window.rows.append(attn.window_raw(x[None], cos, sin)[0])
+        windows = []
+        for segment in segments:
+            window = segment.cache.windows[plan.index]
+            if window is None:
+                window = segment.cache.new_window(plan.index, int(segment.positions[0]))
+            if window.end != int(segment.positions[0]):
+                raise ValueError(f"layer {plan.index}: window ends at {window.end}, "
+                                 f"tokens start at {int(segment.positions[0])}")
+            windows.append(window)
+        # Every sequence's new window rows quantised at once (row by row: the same bytes).
+        window_bytes, window_values = windows[0].rows.encode(attn.window_raw(x[None], cos, sin)[0])
+        keys, masks = [], []
+        for segment, window, segment_picks in zip(segments, windows, picks):
+            part = slice(segment.lo, segment.hi)
+            window.rows.append_encoded(window_bytes[part], window_values[part])
+            segment_keys, mask = self._keys(block, segment, window, x[part], q_residual[:, part],
+                                            cos[:, part], sin[:, part], segment_picks)
+            keys.append(segment_keys)
+            masks.append(mask)
+        if len(keys) > 1:  # sequences short of top-k entries: pad to the widest, masked
+            width = max(k.shape[1] for k in keys)
+            keys = [F.pad(k, (0, 0, 0, width - k.shape[1])) for k in keys]
+            masks = [F.pad(m, (0, width - m.shape[1])) for m in masks]
+        keys, mask = torch.cat(keys), torch.cat(masks)
+        out = torch.cat([
+            attn.attend(q[0, i : i + self.query_chunk, None], keys[i : i + self.query_chunk],
+                        mask[i : i + self.query_chunk, None])[:, 0]
+            for i in range(0, len(positions), self.query_chunk)
+        ])
+        for segment, window in zip(segments, windows):
+            excess = window.rows.n - self.window
+            if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
+                window.rows.drop_front(excess)
+                window.start += excess
+        return attn.output(out[None], cos, sin)[0]
+
+    def _keys(self, block: Block, segment: _Segment, window: Window, x: torch.Tensor, q_residual: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, picks: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's keys at one layer, its new rows already in its ``window``:
+        (keys [n, W + k, hd], mask [n, W + k]) for its n tokens, the window places of
+        each query and, past a Window layer, the long-range entries its indexer picks."""
+        plan, cache, positions = block.plan, segment.cache, segment.positions
         # Window places of each query: positions p - W + 1 .. p, where cached.
         offsets = torch.arange(self.window, device=x.device) - (self.window - 1)
         win_index = positions[:, None] + offsets[None] - window.start  # [n, W]
-        win_valid = win_index >= 0
+        mask = win_index >= 0
         keys = window.rows.values[win_index.clamp_min(0)]  # [n, W, hd]
-        mask = win_valid
         if plan.mode is not AttentionMode.WINDOW:
             if plan.mode is AttentionMode.FULL:
                 self._compress(block, cache, x, positions, segment.rewind)
@@ -387,16 +437,7 @@ class Engine:
             index, valid = picks[plan.index_source]
             keys = torch.cat((keys, entries[index]), dim=1)  # [n, W + k, hd]
             mask = torch.cat((mask, valid), dim=1)
-        out = torch.cat([
-            attn.attend(q[0, i : i + self.query_chunk, None], keys[i : i + self.query_chunk],
-                        mask[i : i + self.query_chunk, None])[:, 0]
-            for i in range(0, len(positions), self.query_chunk)
-        ])
-        excess = window.rows.n - self.window
-        if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
-            window.rows.drop_front(excess)
-            window.start += excess
-        return attn.output(out[None], cos, sin)[0]
+        return keys, mask
 
     def _pick(self, block: Block, cache, x, q_residual, cos, sin, positions, picks) -> tuple[torch.Tensor, torch.Tensor]:
         """The indexer of one layer: (entry indices [n, k], valid [n, k]).

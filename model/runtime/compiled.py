@@ -1,0 +1,120 @@
+"""The compiled layer step: a block's per-token work as two compiled functions.
+
+A decode step on a small model is bound by dispatch, not arithmetic: each layer runs
+two mHC mixes (a 24-wide projection and 20 Sinkhorn normalisations of a 4x4 matrix
+per token), two collapses and expansions of the streams, two RMS norms and the MoE
+(router, top-k, a dispatch loop over experts), hundreds of tiny ops. Here the work
+before attention (the attention site's mixes, collapse, norm) and after it (expand,
+the FFN site's mixes, collapse, norm, the MoE, expand) are each one function of
+tensors, compiled by ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) with
+dynamic token counts, so a batch of any size reuses the same code.
+
+No shape in the MoE here depends on the routing. With fewer routed slots (tokens x
+``k``) than experts it gathers each token's ``k`` experts' weights ([N, k, inter,
+hidden]) and contracts them; with more, every expert runs on every token and the
+experts a token was not routed to weigh 0 (each expert's weights read once, not once
+per slot). Both are forms for the few tokens of a decode step (``max_tokens``), not
+for a prefill, which keeps the eager block. The experts' weights are stacked once per layer ([E, inter, hidden])
+and the experts' parameters re-seated as views of the stack (one copy, and a
+weight loaded later into a parameter lands in the stack too).
+
+The eager :class:`model.transformer.Block` stays the oracle: the two paths compute
+the same formulas, but fused reductions and the gathered experts add in a different
+order, so they agree to float rounding (tests compare logits with the golden
+tolerances and greedy tokens exactly on the shipped checkpoint), not bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from model import mhc
+from model.moe import MoE, route, swiglu
+from model.norm import rms_norm
+from model.transformer import Block, Transformer
+
+
+def _before_attention(streams, pre, fn, scale, base, norm_weight, iters: int, hc_eps: float, norm_eps: float):
+    """The attention site's mixes and the normalised attention input."""
+    attn_pre, attn_post, attn_comb = mhc.hc_mixes(streams, fn, scale, base, iters, hc_eps, norm_eps)
+    return rms_norm(mhc.collapse(streams, pre), norm_weight, norm_eps), attn_pre, attn_post, attn_comb
+
+
+def _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, base, norm_weight,
+                     router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2,
+                     iters: int, hc_eps: float, norm_eps: float, top_k: int, scoring_func: str, gate_temp: float,
+                     norm_topk_prob: bool, scaling: float, limit: float):
+    """Expand the attention output into the streams, then the MoE sublayer under mHC:
+    returns (streams, the next site's ``pre``)."""
+    streams = mhc.expand(out, streams, attn_post, attn_comb)
+    ffn_pre, ffn_post, ffn_comb = mhc.hc_mixes(streams, fn, scale, base, iters, hc_eps, norm_eps)
+    x = rms_norm(mhc.collapse(streams, attn_pre), norm_weight, norm_eps)
+    weights, indices = route(x, router_weight, router_bias.float(), top_k, scoring_func, gate_temp, norm_topk_prob,
+                             scaling)
+    shared = F.linear(swiglu(F.linear(x, shared_w1).float(), F.linear(x, shared_w3).float(), limit).to(x.dtype),
+                      shared_w2).float()
+    if x.shape[0] * top_k < w1.shape[0]:  # few tokens: each token's k experts, gathered
+        gate = torch.einsum("nd,nkid->nki", x, w1[indices]).float()
+        up = torch.einsum("nd,nkid->nki", x, w3[indices]).float()
+        hidden = swiglu(gate, up, limit, weights.unsqueeze(-1)).to(x.dtype)
+        routed = torch.einsum("nki,nkdi->nd", hidden, w2[indices]).float()
+    else:  # as many routed slots as experts: every expert on every token, the unrouted weighted 0
+        dense = torch.zeros(x.shape[0], w1.shape[0], dtype=weights.dtype, device=x.device)
+        dense = dense.scatter(1, indices, weights)
+        gate = torch.einsum("nd,eid->nei", x, w1).float()
+        up = torch.einsum("nd,eid->nei", x, w3).float()
+        hidden = swiglu(gate, up, limit, dense.unsqueeze(-1)).to(x.dtype)
+        routed = torch.einsum("nei,edi->nd", hidden, w2).float()
+    return mhc.expand((routed + shared).to(x.dtype), streams, ffn_post, ffn_comb), ffn_pre
+
+
+def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, out, in] stacks of the routed experts' w1, w3, w2; each expert's parameter
+    becomes a view of its stack."""
+    stacks = []
+    for name in ("w1", "w3", "w2"):
+        stack = torch.stack([getattr(expert, name).weight.detach() for expert in moe.experts])
+        for index, expert in enumerate(moe.experts):
+            getattr(expert, name).weight.data = stack[index]
+        stacks.append(stack)
+    return tuple(stacks)
+
+
+class CompiledBlocks:
+    """Runs a model's blocks with the compiled functions (see the module docstring),
+    for steps of at most ``max_tokens`` tokens without images."""
+
+    def __init__(self, model: Transformer, max_tokens: int = 64, backend: str = "inductor") -> None:
+        self.max_tokens = max_tokens
+        compile_options = {"dynamic": True, "fullgraph": True, "backend": backend}
+        self._before = torch.compile(_before_attention, **compile_options)
+        self._after = torch.compile(_after_attention, **compile_options)
+        config = model.config
+        self._mhc = (config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        self._weights: dict[int, tuple] = {}
+        for block in model.layers:
+            ffn, gate = block.ffn, block.ffn.gate
+            w1, w3, w2 = _stack_experts(ffn)
+            self._weights[block.plan.index] = (
+                (block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base, block.attn_norm.weight),
+                (block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base, block.ffn_norm.weight, gate.weight, gate.bias,
+                 w1, w3, w2, ffn.shared_experts.w1.weight, ffn.shared_experts.w3.weight, ffn.shared_experts.w2.weight),
+                (gate.top_k, gate.scoring_func, gate.gate_temp, gate.norm_topk_prob, gate.scaling,
+                 ffn.shared_experts.limit),
+            )
+
+    def handles(self, n_tokens: int) -> bool:
+        return 0 < n_tokens <= self.max_tokens
+
+    def __call__(self, block: Block, streams: torch.Tensor, pre: torch.Tensor,
+                 attend: Callable[[torch.Tensor], torch.Tensor], engram_rows: torch.Tensor | None = None):
+        """:meth:`Block.forward` (no image tokens): (streams, the next ``pre``)."""
+        if block.engram is not None:
+            streams = block.engram(streams, engram_rows, None)
+        before, after, routing = self._weights[block.plan.index]
+        x, attn_pre, attn_post, attn_comb = self._before(streams, pre, *before, *self._mhc)
+        out = attend(x)
+        return self._after(out, streams, attn_pre, attn_post, attn_comb, *after, *self._mhc, *routing)

@@ -1,0 +1,90 @@
+"""The compiled layer step (model/runtime/compiled.py) against the eager engine, its oracle.
+
+The two compute the same formulas in a different order (fused reductions, the MoE's
+experts gathered or all at once instead of a dispatch loop), so they agree to float
+rounding: logits to the golden tolerance (1e-4) and greedy tokens exactly, on the
+golden checkpoint (trained weights: no near-ties for rounding to flip).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model.runtime.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def engines(golden_model, golden_hasher):
+    _, model = golden_model
+    return (Engine(model, golden_hasher, bounded_replay=False),
+            Engine(model, golden_hasher, bounded_replay=False, compiled=True))
+
+
+def _decode(engine, prompts, fed):
+    """Prefill each prompt, then decode ``fed[i]`` one token a step, all prompts in one
+    batch: logits [steps + 1, V] per prompt."""
+    caches = [engine.new_cache() for _ in prompts]
+    logits = [[engine.replay(c, engine.prefill(c, p))] for c, p in zip(caches, prompts)]
+    for step in range(len(fed[0])):
+        for i, out in enumerate(engine.decode([(c, [f[step]]) for c, f in zip(caches, fed)])):
+            logits[i].append(out[-1])
+    return [torch.stack(rows) for rows in logits]
+
+
+def test_compiled_decode_reproduces_the_golden_generations(engines, golden_dir):
+    eager, compiled = engines
+    assert compiled.compiled is not None and eager.compiled is None
+    steps = load_file(golden_dir / "generation_step_logits.safetensors")
+    for result in json.loads((golden_dir / "generation.json").read_text())["results"]:
+        prompt = result["full_sequence"][: result["prompt_len"]]
+        cache = compiled.new_cache()
+        logits = [compiled.replay(cache, compiled.prefill(cache, prompt))]
+        tokens = []
+        for _ in range(20):
+            tokens.append(int(logits[-1].argmax()))
+            logits.append(compiled.decode([(cache, [tokens[-1]])])[0][-1])
+        assert tokens == result["new_tokens"]
+        assert (torch.stack(logits[:20]) - steps[f"gen_step_logits_p{result['prompt_index']}"]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("batch", [1, 3, 6])  # 1 and 3 tokens x 2 slots < 8 experts: gathered; 6: all experts
+def test_compiled_batched_decode_agrees_with_eager(engines, golden_prompts, batch):
+    eager, compiled = engines
+    prompts = [golden_prompts[i % 3][: 41 + 37 * i] for i in range(batch)]
+    fed = [[(7 * i + 13 * step) % 4000 + 16 for step in range(6)] for i in range(batch)]
+    for want, got in zip(_decode(eager, prompts, fed), _decode(compiled, prompts, fed)):
+        assert (want - got).abs().max() < 1e-4
+
+
+def test_compiled_verify_and_accept_agree_with_eager(engines, golden_prompts):
+    """A DSpark verify step (several tokens per sequence), part of it accepted, then a
+    decode step: the same logits either way."""
+    results = []
+    for engine in engines:
+        caches = [engine.new_cache() for _ in range(2)]
+        for cache, prompt in zip(caches, golden_prompts[:2]):
+            engine.replay(cache, engine.prefill(cache, prompt))
+        guesses = [[101, 102, 103, 104, 105], [201, 202, 203]]
+        logits, rewinds = engine.verify(list(zip(caches, guesses)))
+        for cache, rewind, keep in zip(caches, rewinds, (3, 1)):
+            engine.accept(cache, rewind, keep)
+        after = engine.decode([(cache, [77]) for cache in caches])
+        results.append([*logits, *after])
+    for want, got in zip(*results):
+        assert want.shape == got.shape and (want - got).abs().max() < 1e-4
+
+
+def test_a_long_step_runs_the_eager_blocks(engines, golden_prompts):
+    """A prefill is more tokens than the compiled step takes: the eager blocks run it,
+    and the two engines encode a prompt to the same bytes."""
+    _, compiled = engines
+    assert not compiled.compiled.handles(len(golden_prompts[2]))
+    caches = [engine.new_cache() for engine in engines]
+    for engine, cache in zip(engines, caches):
+        engine.prefill(cache, golden_prompts[2])
+    for source in caches[0].entries:
+        assert torch.equal(caches[0].entries[source].data, caches[1].entries[source].data)
