@@ -52,7 +52,10 @@ class ModelBundle(ModelIdentity):
         if drop_decoder:
             model.keep_encoder_only()
             self.drafter = None
-        self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay)
+        self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay,
+                             compiled=config.compiled_step and not drop_decoder)
+        if self.engine.compiled is not None:
+            self.engine.warm_compiled()  # before any step is timed (the DSpark cost table) or served
 
     def speculation(self, config: AppConfig):
         """The decoder's :class:`model.runtime.batcher.Speculation`, or None (mode "off", or no

@@ -49,6 +49,10 @@ class AppConfig(BaseModel):
     max_model_len: PositiveInt = 16384
     chunk_tokens: PositiveInt = 64
     exact_replay: bool = False
+    # The decoder pool runs each layer's per-token work compiled (torch.compile; model/
+    # runtime/compiled.py): compiled when a replica starts (inductor's disk cache keeps
+    # it for the next start), decode steps faster; see docs/performance.md.
+    compiled_step: bool = False
     redis_url: str | None = None
     redis_stores_bytes: bool = False
     ssd_dir: str | None = "/tmp/v41-cache/{node}"

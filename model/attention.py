@@ -33,7 +33,7 @@ from torch import nn
 
 from .config import AttentionMode, LayerPlan, TextConfig
 from .formats import INDEXER_KEY, WINDOW_KV
-from .norm import RMSNorm
+from .norm import RMSNorm, rms_norm
 from .rope import apply_rotary
 
 
@@ -142,13 +142,12 @@ class CSA2Attention(nn.Module):
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` [B, S, D] -> (rotated queries [B, S, H, hd], low-rank residual [B, S, q_lora])."""
-        q_residual = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
-        return apply_rotary(q, cos, sin), q_residual
+        return queries(x, cos, sin, self.wq_a.weight, self.q_norm.weight, self.wq_b.weight, self.n_heads,
+                       self.q_norm.eps)
 
     def window_raw(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` [B, S, D] -> window entries [B, S, hd] before FP8 quantisation (RoPE included)."""
-        return apply_rotary(self.kv_norm(self.wkv(x)), cos, sin)
+        return window_raw(x, cos, sin, self.wkv.weight, self.kv_norm.weight, self.kv_norm.eps)
 
     def window_entries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` [B, S, D] -> the window cache's entries [B, S, hd] (FP8 values)."""
@@ -178,18 +177,48 @@ class CSA2Attention(nn.Module):
         bool (True = may attend). Returns [B, S, H, hd]. A row with nothing to attend
         gives zeros (the sink takes all the weight).
         """
-        logits = torch.einsum("bshd,btd->bhst", q.float(), keys.float()) * self.scaling
-        logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
-        sink = self.attn_sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
-        combined = torch.cat((logits, sink), dim=-1)
-        probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        return torch.einsum("bhst,btd->bshd", probs, keys.float()).to(q.dtype)
+        return attend(q, keys, mask, self.attn_sink, self.scaling)
 
     def output(self, attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[B, S, H, hd] -> [B, S, D]: undo the query rotation, grouped low-rank projection."""
-        attended = apply_rotary(attended, cos, sin, inverse=True)
-        grouped = attended.flatten(-2).unflatten(-1, (self.o_groups, -1))
-        return self.wo_b(self.wo_a(grouped).flatten(-2))
+        return output(attended, cos, sin, self.wo_a.weight, self.wo_b.weight, self.o_groups)
+
+
+# The attention's per-token maths as functions of its weights: the module's methods
+# call them, and so does the compiled decode step (model/runtime/compiled.py).
+
+
+def queries(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wq_a: torch.Tensor, q_norm: torch.Tensor,
+            wq_b: torch.Tensor, n_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`CSA2Attention.queries`."""
+    q_residual = rms_norm(F.linear(x, wq_a), q_norm, eps)
+    q = F.linear(q_residual, wq_b).unflatten(-1, (n_heads, -1))
+    return apply_rotary(q, cos, sin), q_residual
+
+
+def window_raw(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wkv: torch.Tensor, kv_norm: torch.Tensor,
+               eps: float) -> torch.Tensor:
+    """:meth:`CSA2Attention.window_raw`."""
+    return apply_rotary(rms_norm(F.linear(x, wkv), kv_norm, eps), cos, sin)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scaling: float) -> torch.Tensor:
+    """:meth:`CSA2Attention.attend`."""
+    logits = torch.einsum("bshd,btd->bhst", q.float(), keys.float()) * scaling
+    logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    combined = torch.cat((logits, sink), dim=-1)
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("bhst,btd->bshd", probs, keys.float()).to(q.dtype)
+
+
+def output(attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
+           o_groups: int) -> torch.Tensor:
+    """:meth:`CSA2Attention.output`."""
+    attended = apply_rotary(attended, cos, sin, inverse=True)
+    grouped = attended.flatten(-2).unflatten(-1, (o_groups, -1))
+    w = wo_a.view(o_groups, -1, wo_a.shape[-1])  # GroupedLinear: [G, out, in]
+    return F.linear(torch.einsum("...gi,goi->...go", grouped, w).flatten(-2), wo_b)
 
 
 # ---------------------------------------------------------------------- selection

@@ -88,3 +88,25 @@ def test_a_long_step_runs_the_eager_blocks(engines, golden_prompts):
         engine.prefill(cache, golden_prompts[2])
     for source in caches[0].entries:
         assert torch.equal(caches[0].entries[source].data, caches[1].entries[source].data)
+
+
+def test_compiled_step_is_an_app_setting_the_decoder_pool_warms_at_start(golden_dir, golden_prompts):
+    """`compiled_step: true` gives the decoder replicas a compiled engine, warmed before
+    anything is timed or served; the prefill pool (encoder half) keeps the eager one."""
+    from torch._dynamo.utils import counters
+
+    from actors.replica import ModelBundle
+    from cluster.config import AppConfig
+
+    config = AppConfig(model=str(golden_dir), compiled_step=True, ssd_dir=None)
+    decoder = ModelBundle(config)
+    assert decoder.engine.compiled is not None
+    assert ModelBundle(config, drop_decoder=True).engine.compiled is None
+    assert ModelBundle(AppConfig(model=str(golden_dir), ssd_dir=None)).engine.compiled is None
+    caches = [decoder.engine.new_cache() for _ in range(3)]
+    for cache, prompt in zip(caches, golden_prompts):
+        decoder.engine.replay(cache, decoder.engine.prefill(cache, prompt))
+    graphs = counters["stats"]["unique_graphs"]
+    decoder.engine.decode([(caches[0], [42])])
+    decoder.engine.decode([(cache, [43]) for cache in caches])
+    assert counters["stats"]["unique_graphs"] == graphs  # compiled at start, not by the first requests

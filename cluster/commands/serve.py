@@ -142,6 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="SSD tier directory (default .v41/cache; each machine keeps its own slot under it)")
     parser.add_argument("--exact-replay", action="store_true", default=None,
                         help="replay whole prompts through the decoder")
+    parser.add_argument("--compiled-step", action="store_true", default=None,
+                        help="compile each layer's per-token work in the decoder pool (torch.compile, at start)")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help=f"require the bearer token in this file (or export {API_KEY_ENV})")
     parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default=None,
@@ -193,7 +195,7 @@ def app_arguments(args: argparse.Namespace) -> dict:
         app_args["model"] = str(model)
     if args.cache_dir is not None or "ssd_dir" not in app_args:
         app_args["ssd_dir"] = str((args.cache_dir or Path(".v41/cache")).resolve() / "{node}")
-    for name in ("exact_replay", "speculation", "redis_url"):
+    for name in ("exact_replay", "compiled_step", "speculation", "redis_url"):
         if getattr(args, name) is not None:
             app_args[name] = getattr(args, name)
     for flag, name, _, _ in _FLAGS:

@@ -31,7 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from model import mhc
+from model import attention, mhc
+from model.attention import CSA2Attention
 from model.moe import MoE, route, swiglu
 from model.norm import rms_norm
 from model.transformer import Block, Transformer
@@ -71,6 +72,18 @@ def _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, ba
     return mhc.expand((routed + shared).to(x.dtype), streams, ffn_post, ffn_comb), ffn_pre
 
 
+def _attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads: int, eps: float):
+    """Queries, their low-rank residual and the new window rows (before FP8) of ``x`` [N, D]."""
+    q, q_residual = attention.queries(x[None], cos, sin, wq_a, q_norm, wq_b, n_heads, eps)
+    return q, q_residual, attention.window_raw(x[None], cos, sin, wkv, kv_norm, eps)[0]
+
+
+def _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_groups: int):
+    """Each token's attention over its own keys [N, T, hd] (mask [N, T]), projected out: [N, D]."""
+    out = attention.attend(q[0, :, None], keys, mask[:, None], sink, scaling)[:, 0]
+    return attention.output(out[None], cos, sin, wo_a, wo_b, o_groups)[0]
+
+
 def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[E, out, in] stacks of the routed experts' w1, w3, w2; each expert's parameter
     becomes a view of its stack."""
@@ -92,6 +105,8 @@ class CompiledBlocks:
         compile_options = {"dynamic": True, "fullgraph": True, "backend": backend}
         self._before = torch.compile(_before_attention, **compile_options)
         self._after = torch.compile(_after_attention, **compile_options)
+        self._attention_in = torch.compile(_attention_in, **compile_options)
+        self._attention_out = torch.compile(_attention_out, **compile_options)
         config = model.config
         self._mhc = (config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
         self._weights: dict[int, tuple] = {}
@@ -108,6 +123,17 @@ class CompiledBlocks:
 
     def handles(self, n_tokens: int) -> bool:
         return 0 < n_tokens <= self.max_tokens
+
+    def attention_in(self, attn: CSA2Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(queries [1, N, H, hd], residual [1, N, q_lora], window rows [N, hd]) of ``x`` [N, D]."""
+        return self._attention_in(x, cos, sin, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight,
+                                  attn.wkv.weight, attn.kv_norm.weight, attn.n_heads, attn.q_norm.eps)
+
+    def attention_out(self, attn: CSA2Attention, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention of each token over its keys [N, T, hd] (mask [N, T]), projected: [N, D]."""
+        return self._attention_out(q, keys, mask, cos, sin, attn.attn_sink, attn.wo_a.weight, attn.wo_b.weight,
+                                   attn.scaling, attn.o_groups)
 
     def __call__(self, block: Block, streams: torch.Tensor, pre: torch.Tensor,
                  attend: Callable[[torch.Tensor], torch.Tensor], engram_rows: torch.Tensor | None = None):

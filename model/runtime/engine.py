@@ -152,6 +152,15 @@ class Engine:
         # Engram layers the decoder's replay runs: their rows come from the inputs' row ids.
         self._decoder_engram = tuple(i for i in self.config.engram_layer_ids if i >= self.decoder_start)
 
+    def warm_compiled(self) -> None:
+        """Compile the layer step for one token and for several (a throwaway decode of
+        one and of two sequences), so that no request pays for it."""
+        caches = [self.new_cache() for _ in range(2)]
+        for cache in caches:
+            self.replay(cache, self.prefill(cache, [3, 4, 5]))
+        self.decode([(caches[0], [6])])
+        self.decode([(cache, [7]) for cache in caches])
+
     def new_cache(self) -> SequenceCache:
         device = self.model.embed.weight.device
         cache = SequenceCache.empty(self.config, device)
@@ -380,7 +389,12 @@ class Engine:
         plan, attn = block.plan, block.attn
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         cos, sin = self.model.rotary[plan.rope](positions[None])
-        q, q_residual = attn.queries(x[None], cos, sin)
+        fast = self.compiled if self.compiled is not None and self.compiled.handles(len(positions)) else None
+        if fast is not None:
+            q, q_residual, new_rows = fast.attention_in(attn, x, cos, sin)
+        else:
+            q, q_residual = attn.queries(x[None], cos, sin)
+            new_rows = attn.window_raw(x[None], cos, sin)[0]
         windows = []
         for segment in segments:
             window = segment.cache.windows[plan.index]
@@ -391,7 +405,7 @@ class Engine:
                                  f"tokens start at {int(segment.positions[0])}")
             windows.append(window)
         # Every sequence's new window rows quantised at once (row by row: the same bytes).
-        window_bytes, window_values = windows[0].rows.encode(attn.window_raw(x[None], cos, sin)[0])
+        window_bytes, window_values = windows[0].rows.encode(new_rows)
         keys, masks = [], []
         for segment, window, segment_picks in zip(segments, windows, picks):
             part = slice(segment.lo, segment.hi)
@@ -405,17 +419,19 @@ class Engine:
             keys = [F.pad(k, (0, 0, 0, width - k.shape[1])) for k in keys]
             masks = [F.pad(m, (0, width - m.shape[1])) for m in masks]
         keys, mask = torch.cat(keys), torch.cat(masks)
-        out = torch.cat([
-            attn.attend(q[0, i : i + self.query_chunk, None], keys[i : i + self.query_chunk],
-                        mask[i : i + self.query_chunk, None])[:, 0]
-            for i in range(0, len(positions), self.query_chunk)
-        ])
-        for segment, window in zip(segments, windows):
+        if fast is not None:
+            out = fast.attention_out(attn, q, keys, mask, cos, sin)
+        else:
+            out = attn.output(torch.cat([
+                attn.attend(q[0, i : i + self.query_chunk, None], keys[i : i + self.query_chunk],
+                            mask[i : i + self.query_chunk, None])[:, 0]
+                for i in range(0, len(positions), self.query_chunk)
+            ])[None], cos, sin)[0]
             excess = window.rows.n - self.window
             if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
                 window.rows.drop_front(excess)
                 window.start += excess
-        return attn.output(out[None], cos, sin)[0]
+        return out
 
     def _keys(self, block: Block, segment: _Segment, window: Window, x: torch.Tensor, q_residual: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, picks: dict) -> tuple[torch.Tensor, torch.Tensor]:
