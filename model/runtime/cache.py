@@ -66,9 +66,7 @@ class PackedRows:
         """``raw`` [m, dim] as :meth:`append` would store it: (bytes [m, row_bytes],
         values [m, dim]). Row by row: the rows of several caches encoded at once get
         the bytes each would get alone."""
-        packed = self.fmt.quantize(raw)
-        rows = torch.cat((packed.data, packed.scales), dim=-1)
-        return rows, self.decode(rows)
+        return encode_rows(self.fmt, self.payload, raw)
 
     def append_bytes(self, rows: torch.Tensor) -> torch.Tensor:
         """Append rows given as bytes [m, row_bytes]; returns their values [m, dim]."""
@@ -110,6 +108,13 @@ class PackedRows:
         values = torch.empty(capacity, self.dim, dtype=torch.float32, device=self._values.device)
         data[: self.n], values[: self.n] = self._data[: self.n], self._values[: self.n]
         self._data, self._values = data, values
+
+
+def encode_rows(fmt: BlockFormat, payload: int, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`PackedRows.encode` as a function of the format and its payload bytes per row."""
+    packed = fmt.quantize(raw)
+    rows = torch.cat((packed.data, packed.scales), dim=-1)
+    return rows, fmt.dequantize(Packed(rows[..., :payload], rows[..., payload:]))
 
 
 @dataclass

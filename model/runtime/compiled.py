@@ -33,8 +33,10 @@ import torch.nn.functional as F
 
 from model import attention, mhc
 from model.attention import CSA2Attention
+from model.formats import BlockFormat
 from model.moe import MoE, route, swiglu
 from model.norm import rms_norm
+from model.runtime.cache import PackedRows, encode_rows
 from model.transformer import Block, Transformer
 
 
@@ -72,10 +74,15 @@ def _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, ba
     return mhc.expand((routed + shared).to(x.dtype), streams, ffn_post, ffn_comb), ffn_pre
 
 
-def _attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads: int, eps: float):
-    """Queries, their low-rank residual and the new window rows (before FP8) of ``x`` [N, D]."""
+def _attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads: int, eps: float,
+                  window_format: BlockFormat | None, payload: int):
+    """Queries, their low-rank residual and the new window rows of ``x`` [N, D]: encoded
+    (bytes, values) in ``window_format``, or raw (and None) without one."""
     q, q_residual = attention.queries(x[None], cos, sin, wq_a, q_norm, wq_b, n_heads, eps)
-    return q, q_residual, attention.window_raw(x[None], cos, sin, wkv, kv_norm, eps)[0]
+    rows = attention.window_raw(x[None], cos, sin, wkv, kv_norm, eps)[0]
+    if window_format is None:
+        return q, q_residual, rows, None
+    return q, q_residual, *encode_rows(window_format, payload, rows)
 
 
 def _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_groups: int):
@@ -124,10 +131,15 @@ class CompiledBlocks:
     def handles(self, n_tokens: int) -> bool:
         return 0 < n_tokens <= self.max_tokens
 
-    def attention_in(self, attn: CSA2Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(queries [1, N, H, hd], residual [1, N, q_lora], window rows [N, hd]) of ``x`` [N, D]."""
-        return self._attention_in(x, cos, sin, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight,
-                                  attn.wkv.weight, attn.kv_norm.weight, attn.n_heads, attn.q_norm.eps)
+    def attention_in(self, attn: CSA2Attention, window: PackedRows, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor):
+        """(queries [1, N, H, hd], residual [1, N, q_lora], the new rows of ``x`` [N, D]
+        encoded for ``window``: bytes [N, row bytes] and values [N, hd])."""
+        blocked = isinstance(window.fmt, BlockFormat)  # (a float32 cache: tiny test configs)
+        q, q_residual, rows, values = self._attention_in(
+            x, cos, sin, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight, attn.wkv.weight,
+            attn.kv_norm.weight, attn.n_heads, attn.q_norm.eps, window.fmt if blocked else None, window.payload)
+        return (q, q_residual, rows, values) if blocked else (q, q_residual, *window.encode(rows))
 
     def attention_out(self, attn: CSA2Attention, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

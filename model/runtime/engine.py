@@ -389,12 +389,6 @@ class Engine:
         plan, attn = block.plan, block.attn
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         cos, sin = self.model.rotary[plan.rope](positions[None])
-        fast = self.compiled if self.compiled is not None and self.compiled.handles(len(positions)) else None
-        if fast is not None:
-            q, q_residual, new_rows = fast.attention_in(attn, x, cos, sin)
-        else:
-            q, q_residual = attn.queries(x[None], cos, sin)
-            new_rows = attn.window_raw(x[None], cos, sin)[0]
         windows = []
         for segment in segments:
             window = segment.cache.windows[plan.index]
@@ -405,7 +399,12 @@ class Engine:
                                  f"tokens start at {int(segment.positions[0])}")
             windows.append(window)
         # Every sequence's new window rows quantised at once (row by row: the same bytes).
-        window_bytes, window_values = windows[0].rows.encode(new_rows)
+        fast = self.compiled if self.compiled is not None and self.compiled.handles(len(positions)) else None
+        if fast is not None:
+            q, q_residual, window_bytes, window_values = fast.attention_in(attn, windows[0].rows, x, cos, sin)
+        else:
+            q, q_residual = attn.queries(x[None], cos, sin)
+            window_bytes, window_values = windows[0].rows.encode(attn.window_raw(x[None], cos, sin)[0])
         keys, masks = [], []
         for segment, window, segment_picks in zip(segments, windows, picks):
             part = slice(segment.lo, segment.hi)
