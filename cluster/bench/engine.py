@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per round (compiled vs eager)")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds of compiled and eager decode")
     parser.add_argument("--no-compiled", action="store_true", help="skip the compiled-vs-eager comparison")
+    parser.add_argument("--profile", action="store_true",
+                        help="only count the aten calls of an eager decode step of --checkpoint, by part")
 
 
 def _time(fn) -> float:
@@ -47,6 +49,8 @@ def _time(fn) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.profile:
+        return _profile(args)
     import torch
 
     from cluster.cli import UserError
@@ -167,3 +171,55 @@ def _compiled_vs_eager(args: argparse.Namespace) -> dict:
     for batch, (eager_rate, fast_rate, ratio, same) in rows.items():
         print(f"{batch:>6}  {eager_rate:>11.1f}  {fast_rate:>14.1f}  {ratio:>6.2f}  {same!s:>11}")
     return out
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """Aten calls (nested ones included) of one eager decode step of ``--checkpoint``
+    at batch 1 after a 300-token prompt, and of each part of a block called alone."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from model import mhc
+    from model.engram import EngramLayout, NgramHasher
+    from model.loader import load_model, load_tokenizer
+    from model.runtime.engine import Engine
+
+    config, model = load_model(args.checkpoint)
+    model.eval()
+    text = config.text
+    hasher = None
+    if text.engram_layer_ids:
+        hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(text), load_tokenizer(args.checkpoint))
+    engine = Engine(model, hasher)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(16, text.vocab_size, (300,), generator=generator).tolist()
+    cache = engine.new_cache()
+    token = int(engine.replay(cache, engine.prefill(cache, prompt)).argmax())
+
+    def calls(fn) -> int:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return sum(event.count for event in prof.key_averages() if event.key.startswith("aten::"))
+
+    block, hc, width = model.layers[0], text.hc_mult, text.hidden_size
+    streams, pre = torch.randn(1, hc, width, generator=generator), torch.rand(1, hc, generator=generator)
+    step = calls(lambda: engine.decode([(cache, [token])]))
+    per_call = {
+        "sinkhorn": calls(lambda: mhc.sinkhorn(torch.randn(1, hc, hc), text.hc_sinkhorn_iters, text.hc_eps)),
+        "mhc_mixes": calls(lambda: block.mixes(streams, "attn")),
+        "moe": calls(lambda: block.ffn(torch.randn(1, width))),
+        "collapse_norm": calls(lambda: block.attn_norm(mhc.collapse(streams, pre))),
+        "expand": calls(lambda: mhc.expand(torch.randn(1, width), streams, pre, torch.rand(1, hc, hc))),
+    }
+    layers = text.num_hidden_layers
+    per_step = {"sinkhorn": 2 * layers, "mhc_mixes": 2 * layers, "moe": layers, "collapse_norm": 2 * layers,
+                "expand": 2 * layers}
+    print(f"aten calls of one eager decode step ({args.checkpoint}, batch 1, 300-token prompt): {step}")
+    print(f"{'part':>14}  {'per call':>8}  {'calls':>5}  {'share':>6}")
+    for part, count in per_call.items():
+        print(f"{part:>14}  {count:>8}  {per_step[part]:>5}  {count * per_step[part] / step:>6.1%}")
+    print("(mhc_mixes includes sinkhorn)")
+    if args.json:
+        print(json.dumps({"checkpoint": str(args.checkpoint), "aten_calls_per_step": step,
+                          "aten_calls_per_call": per_call, "calls_per_step": per_step}))
+    return 0

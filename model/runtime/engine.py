@@ -417,7 +417,7 @@ class Engine:
             width = max(k.shape[1] for k in keys)
             keys = [F.pad(k, (0, 0, 0, width - k.shape[1])) for k in keys]
             masks = [F.pad(m, (0, width - m.shape[1])) for m in masks]
-        keys, mask = torch.cat(keys), torch.cat(masks)
+        keys, mask = (keys[0], masks[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(masks))
         if fast is not None:
             out = fast.attention_out(attn, q, keys, mask, cos, sin)
         else:
