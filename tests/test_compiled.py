@@ -60,6 +60,18 @@ def test_compiled_batched_decode_agrees_with_eager(engines, golden_prompts, batc
         assert (want - got).abs().max() < 1e-4
 
 
+def test_compiled_decode_slides_every_window(engines, golden_prompts):
+    _, compiled = engines
+    window = compiled.config.sliding_window
+    caches = [compiled.new_cache() for _ in golden_prompts]
+    for cache, prompt in zip(caches, golden_prompts):
+        compiled.replay(cache, compiled.prefill(cache, prompt))
+    for step in range(3):
+        compiled.decode([(cache, [100 + step]) for cache in caches])
+        for cache in caches:
+            assert all(w.rows.n == window and w.end == cache.length for w in cache.windows if w is not None)
+
+
 def test_compiled_verify_and_accept_agree_with_eager(engines, golden_prompts):
     """A DSpark verify step (several tokens per sequence), part of it accepted, then a
     decode step: the same logits either way."""

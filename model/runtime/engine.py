@@ -426,6 +426,7 @@ class Engine:
                             mask[i : i + self.query_chunk, None])[:, 0]
                 for i in range(0, len(positions), self.query_chunk)
             ])[None], cos, sin)[0]
+        for segment, window in zip(segments, windows):
             excess = window.rows.n - self.window
             if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
                 window.rows.drop_front(excess)
