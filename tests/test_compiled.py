@@ -60,14 +60,17 @@ def test_compiled_batched_decode_agrees_with_eager(engines, golden_prompts, batc
         assert (want - got).abs().max() < 1e-4
 
 
-def test_compiled_decode_slides_every_window(engines, golden_prompts):
-    _, compiled = engines
-    window = compiled.config.sliding_window
-    caches = [compiled.new_cache() for _ in golden_prompts]
+@pytest.mark.parametrize("which", ["eager", "compiled"])
+def test_every_window_of_a_batch_slides(engines, golden_prompts, which):
+    """After each decode step every sequence's windows hold the last ``sliding_window``
+    positions, not more: a batch slides each of them, not only one."""
+    engine = engines[which == "compiled"]
+    window = engine.config.sliding_window
+    caches = [engine.new_cache() for _ in golden_prompts]
     for cache, prompt in zip(caches, golden_prompts):
-        compiled.replay(cache, compiled.prefill(cache, prompt))
+        engine.replay(cache, engine.prefill(cache, prompt))
     for step in range(3):
-        compiled.decode([(cache, [100 + step]) for cache in caches])
+        engine.decode([(cache, [100 + step]) for cache in caches])
         for cache in caches:
             assert all(w.rows.n == window and w.end == cache.length for w in cache.windows if w is not None)
 

@@ -141,23 +141,6 @@ def test_batch_of_four_agrees_with_each_alone(golden_model, golden_hasher, golde
         assert (torch.stack(got) - expected[: len(got)]).abs().max() < 1e-4
 
 
-def test_every_window_of_a_batch_slides(golden_model, golden_hasher, golden_prompts):
-    """After each decode step every sequence's windows hold the last ``sliding_window``
-    positions, not more: the batch slides each of them, not only one."""
-    _, model = golden_model
-    engine = Engine(model, golden_hasher, bounded_replay=True)
-    window = model.config.sliding_window
-    caches = [engine.new_cache() for _ in golden_prompts]
-    for cache, prompt in zip(caches, golden_prompts):
-        engine.replay(cache, engine.prefill(cache, prompt))
-    for step in range(3):
-        engine.decode([(cache, [100 + step]) for cache in caches])
-        for cache in caches:
-            for layer in cache.windows:
-                if layer is not None:
-                    assert layer.rows.n == window and layer.end == cache.length
-
-
 def test_restore_rebuilds_expired_windows(tiny):
     """Encoder SWA Bounded Replay: exact when the sequence fits in the window, and it
     only ever reads the last window of tokens."""
