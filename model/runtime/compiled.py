@@ -1,13 +1,17 @@
-"""The compiled layer step: a block's per-token work as two compiled functions.
+"""The compiled layer step: a block's per-token work as four compiled functions.
 
 A decode step on a small model is bound by dispatch, not arithmetic: each layer runs
 two mHC mixes (a 24-wide projection and 20 Sinkhorn normalisations of a 4x4 matrix
 per token), two collapses and expansions of the streams, two RMS norms and the MoE
 (router, top-k, a dispatch loop over experts), hundreds of tiny ops. Here the work
-before attention (the attention site's mixes, collapse, norm) and after it (expand,
-the FFN site's mixes, collapse, norm, the MoE, expand) are each one function of
-tensors, compiled by ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) with
-dynamic token counts, so a batch of any size reuses the same code.
+before attention (the attention site's mixes, collapse, norm), the attention's input
+(queries, the new window rows and their FP8 bytes), its output (each token's attention
+over the keys the engine gathered for it, the output projection) and the work after it
+(expand, the FFN site's mixes, collapse, norm, the MoE, expand) are each one function
+of tensors, compiled by ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) with
+dynamic token counts, so a batch of any size reuses the same code. What reads a
+sequence's caches between them (window places, the compressor, the indexer) stays
+eager, in :class:`model.runtime.engine.Engine`.
 
 No shape in the MoE here depends on the routing. With fewer routed slots (tokens x
 ``k``) than experts it gathers each token's ``k`` experts' weights ([N, k, inter,
