@@ -50,8 +50,13 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(groups * out_per_group, in_per_group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [G, out, in]
-        return torch.einsum("...gi,goi->...go", x, w)
+        return grouped_linear(x, self.weight, self.groups)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """:class:`GroupedLinear` as a function of its weight ``[groups * out, in]``."""
+    w = weight.view(groups, -1, weight.shape[-1])  # [G, out, in]
+    return torch.einsum("...gi,goi->...go", x, w)
 
 
 class Compressor(nn.Module):
@@ -217,8 +222,7 @@ def output(attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: t
     """:meth:`CSA2Attention.output`."""
     attended = apply_rotary(attended, cos, sin, inverse=True)
     grouped = attended.flatten(-2).unflatten(-1, (o_groups, -1))
-    w = wo_a.view(o_groups, -1, wo_a.shape[-1])  # GroupedLinear: [G, out, in]
-    return F.linear(torch.einsum("...gi,goi->...go", grouped, w).flatten(-2), wo_b)
+    return F.linear(grouped_linear(grouped, wo_a, o_groups).flatten(-2), wo_b)
 
 
 # ---------------------------------------------------------------------- selection

@@ -65,7 +65,13 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x).float(), self.w3(x).float(), self.limit, weight).to(x.dtype))
+        return expert(x, self.w1.weight, self.w3.weight, self.w2.weight, self.limit, weight)
+
+
+def expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
+           weight: torch.Tensor | None = None) -> torch.Tensor:
+    """:class:`Expert` as a function of its weights."""
+    return F.linear(swiglu(F.linear(x, w1).float(), F.linear(x, w3).float(), limit, weight).to(x.dtype), w2)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -225,8 +225,8 @@ def synthetic(profile: Profile) -> Iterator[Request]:
     zipf = _zipf_table(profile.system_prompts, profile.system_zipf)
     system_lengths = [max(1, int(profile.system_tokens.draw(rng))) for _ in range(profile.system_prompts)]
     starts = _arrivals(rng, profile.sessions, profile.hours * 3600.0, profile.daily_amplitude)
-    # Sessions not started yet, in start order; the heap holds only the started ones (a
-    # heap of every session made each pop cost log2 of the whole population).
+    # Sessions in start order; the heap holds only the started ones and the next (a heap
+    # of every session made each pop cost log2 of the whole population).
     waiting: list[tuple[float, int, _Session]] = []
     for index, start in enumerate(starts):
         system = int(np.searchsorted(zipf, rng.random()))
@@ -237,15 +237,14 @@ def synthetic(profile: Profile) -> Iterator[Request]:
         session = _Session(index, turns, system, tokens, lineage,
                            tokens + max(1, int(profile.first_message_tokens.draw(rng))), [])
         waiting.append((float(start), index, session))
-    heap: list[tuple[float, int, _Session]] = []
+    heap = waiting[:1]  # the started sessions and the next to start
     started = 0
-    while heap or started < len(waiting):
-        if started < len(waiting) and (not heap or waiting[started][0] < heap[0][0]
-                                       or (waiting[started][0] == heap[0][0] and waiting[started][1] < heap[0][1])):
-            time_s, _, s = waiting[started]
+    while heap:
+        time_s, _, s = heapq.heappop(heap)
+        if started < len(waiting) and s is waiting[started][2]:  # it started: the next one joins
             started += 1
-        else:
-            time_s, _, s = heapq.heappop(heap)
+            if started < len(waiting):
+                heapq.heappush(heap, waiting[started])
         prompt = min(s.tokens, profile.max_prompt_tokens)
         output = max(1, int(profile.output_tokens.draw(rng)))
         end = prompt + output

@@ -18,9 +18,9 @@ No shape in the MoE here depends on the routing. With fewer routed slots (tokens
 hidden]) and contracts them; with more, every expert runs on every token and the
 experts a token was not routed to weigh 0 (each expert's weights read once, not once
 per slot). Both are forms for the few tokens of a decode step (``max_tokens``), not
-for a prefill, which keeps the eager block. The experts' weights are stacked once per layer ([E, inter, hidden])
-and the experts' parameters re-seated as views of the stack (one copy, and a
-weight loaded later into a parameter lands in the stack too).
+for a prefill, which keeps the eager block. The experts' weights are stacked once per
+layer ([E, inter, hidden]) and the experts' parameters re-seated as views of the stack
+(one copy, and a weight loaded later into a parameter lands in the stack too).
 
 The eager :class:`model.transformer.Block` stays the oracle: the two paths compute
 the same formulas, but fused reductions and the gathered experts add in a different
@@ -33,12 +33,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from model import attention, mhc
 from model.attention import CSA2Attention
 from model.formats import BlockFormat
-from model.moe import MoE, route, swiglu
+from model.moe import MoE, expert, route, swiglu
 from model.norm import rms_norm
 from model.runtime.cache import PackedRows, encode_rows
 from model.transformer import Block, Transformer
@@ -61,8 +60,7 @@ def _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, ba
     x = rms_norm(mhc.collapse(streams, attn_pre), norm_weight, norm_eps)
     weights, indices = route(x, router_weight, router_bias.float(), top_k, scoring_func, gate_temp, norm_topk_prob,
                              scaling)
-    shared = F.linear(swiglu(F.linear(x, shared_w1).float(), F.linear(x, shared_w3).float(), limit).to(x.dtype),
-                      shared_w2).float()
+    shared = expert(x, shared_w1, shared_w3, shared_w2, limit).float()
     if x.shape[0] * top_k < w1.shape[0]:  # few tokens: each token's k experts, gathered
         gate = torch.einsum("nd,nkid->nki", x, w1[indices]).float()
         up = torch.einsum("nd,nkid->nki", x, w3[indices]).float()
@@ -100,9 +98,9 @@ def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     becomes a view of its stack."""
     stacks = []
     for name in ("w1", "w3", "w2"):
-        stack = torch.stack([getattr(expert, name).weight.detach() for expert in moe.experts])
-        for index, expert in enumerate(moe.experts):
-            getattr(expert, name).weight.data = stack[index]
+        stack = torch.stack([getattr(module, name).weight.detach() for module in moe.experts])
+        for index, module in enumerate(moe.experts):
+            getattr(module, name).weight.data = stack[index]
         stacks.append(stack)
     return tuple(stacks)
 
