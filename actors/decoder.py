@@ -173,7 +173,7 @@ class DecoderPool:
         from actors.store import peer_store
         from cluster.metrics import DecoderMetrics, PrefillMetrics
 
-        bundle = ModelBundle(config)
+        self.bundle = bundle = ModelBundle(config)
         store = bundle.store(config)
         self.service = DecoderService(bundle.engine, store, bundle.naming, bundle.tokenizer,
                                       bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config),
@@ -337,6 +337,10 @@ class DecoderPool:
 
     def running(self) -> int:
         return self.service.running
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica that lost an expert worker is replaced whole."""
+        self.bundle.check_health()
 
     def node(self) -> str:
         return node_id()

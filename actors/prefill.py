@@ -179,7 +179,7 @@ class PrefillPool:
         from actors.store import peer_store
         from cluster.metrics import PrefillMetrics
 
-        bundle = ModelBundle(config, drop_decoder=True)
+        self.bundle = bundle = ModelBundle(config, drop_decoder=True)
         self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming, node_id(), peer_store)
         self.executor = one_thread_executor()
         self.metrics = PrefillMetrics()
@@ -187,6 +187,10 @@ class PrefillPool:
     def node(self) -> str:
         """The Ray node this replica runs on (placement checks, tests)."""
         return node_id()
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica that lost an expert worker is replaced whole."""
+        self.bundle.check_health()
 
     async def prefill(self, plan, preferred_nodes: list[str] | None = None, engram=None):
         """``preferred_nodes`` is read by the request router (cache affinity)."""

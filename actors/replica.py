@@ -46,16 +46,31 @@ class ModelBundle(ModelIdentity):
 
         super().__init__(config)
         torch.set_num_threads(config.threads)
-        checkpoint = load_checkpoint(config.model)
+        parallel = config.prefill_parallel if drop_decoder else config.decoder_parallel
+        self.workers = None  # an expert-parallel replica's other workers (actors/expert_workers.py)
+        if parallel.experts > 1:
+            from actors.expert_workers import RayExpertWorkers
+
+            self.workers = RayExpertWorkers(config.model, parallel.experts, parallel.worker_resources,
+                                            drop_decoder, config.threads)
+            checkpoint = self.workers.checkpoint
+        else:
+            checkpoint = load_checkpoint(config.model)
+            if drop_decoder:
+                checkpoint.backbone.keep_encoder_only()
+                checkpoint.drafter = None
         model, self.drafter = checkpoint.backbone, checkpoint.drafter
         self.hasher = load_hasher(config.model, self.model_config)
-        if drop_decoder:
-            model.keep_encoder_only()
-            self.drafter = None
         self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay,
                              compiled=config.compiled_step and not drop_decoder)
         if self.engine.compiled is not None:
             self.engine.warm_compiled()  # before any step is timed (the DSpark cost table) or served
+
+    def check_health(self) -> None:
+        """Raise when the replica cannot serve: a lost expert worker (Serve then
+        replaces the whole replica, its workers with it)."""
+        if self.workers is not None and self.workers.link.broken:
+            raise RuntimeError(self.workers.link.broken)
 
     def speculation(self, config: AppConfig):
         """The decoder's :class:`model.runtime.batcher.Speculation`, or None (mode "off", or no

@@ -29,6 +29,7 @@ def decoder_options(config: AppConfig) -> dict[str, Any]:
         "max_ongoing_requests": config.max_batch + max(4, config.max_batch // 4),
         "max_queued_requests": config.max_queued_requests,
         "ray_actor_options": {"num_cpus": 1, "resources": dict(config.decoder_resources)},
+        **health_options(config.decoder_parallel),
     }
     if config.decoder_max_replicas is None:
         options["num_replicas"] = config.decoder_replicas
@@ -39,6 +40,12 @@ def decoder_options(config: AppConfig) -> dict[str, Any]:
     return options
 
 
+def health_options(parallel) -> dict[str, Any]:
+    """A split replica is checked every 2 s (a lost expert worker fails its check, and
+    Serve replaces the replica whole); an unsplit one at Serve's default."""
+    return {"health_check_period_s": 2} if parallel.experts > 1 else {}
+
+
 def build_app(args: dict[str, Any] | None = None):
     """The application: ``serve run cluster.app:build_app key=value ...`` or a YAML's ``args``."""
     config = AppConfig.from_args(args)
@@ -46,6 +53,7 @@ def build_app(args: dict[str, Any] | None = None):
         num_replicas=config.prefill_replicas,
         request_router_config=request_router_config(config.routing),
         ray_actor_options={"num_cpus": 1, "resources": dict(config.prefill_resources)},
+        **health_options(config.prefill_parallel),
     ).bind(config)
     decoder = DecoderPool.options(**decoder_options(config)).bind(config)
     return Router.options(ray_actor_options={"num_cpus": 0}).bind(config, prefill, decoder)

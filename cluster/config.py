@@ -28,6 +28,27 @@ PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 
 
+class ParallelConfig(BaseModel):
+    """How one replica of a pool is split (model/parallel.py): ``experts`` workers share
+    every MoE layer's routed experts (the replica's own process is the first; the others
+    are Ray actors in a placement group it owns, one bundle of ``worker_resources``
+    each: ``{"GPU": 1}`` on GPUs). ``tensor`` (the attention's heads split) is not
+    built and must be 1."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    experts: PositiveInt = 1
+    tensor: PositiveInt = 1
+    worker_resources: dict[str, float] = Field(default_factory=lambda: {"CPU": 1.0})
+
+    @field_validator("tensor")
+    @classmethod
+    def _tensor(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("tensor parallelism is not built: the attention runs on a replica's lead worker")
+        return value
+
+
 class AppConfig(BaseModel):
     """Validated arguments of the application (every field has a YAML key of the same name)."""
 
@@ -53,6 +74,8 @@ class AppConfig(BaseModel):
     # runtime/compiled.py): compiled when a replica starts (inductor's disk cache keeps
     # it for the next start), decode steps faster; see docs/performance.md.
     compiled_step: bool = False
+    decoder_parallel: ParallelConfig = ParallelConfig()
+    prefill_parallel: ParallelConfig = ParallelConfig()
     redis_url: str | None = None
     redis_stores_bytes: bool = False
     ssd_dir: str | None = "/tmp/v41-cache/{node}"
@@ -100,10 +123,24 @@ class AppConfig(BaseModel):
     def _one_key(self) -> "AppConfig":
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give api_key or api_key_file, not both")
+        if self.compiled_step and self.decoder_parallel.experts > 1:
+            raise ValueError("compiled_step runs every expert in the decoder's process: "
+                             "it cannot be combined with decoder_parallel experts > 1")
+        for pool in ("decoder", "prefill"):
+            experts = getattr(self, f"{pool}_parallel").experts
+            if experts > 1 and self.routed_experts() % experts:
+                raise ValueError(f"{pool}_parallel.experts={experts} does not divide the model's "
+                                 f"{self.routed_experts()} routed experts")
         if self.decoder_max_replicas is not None and self.decoder_max_replicas < self.decoder_replicas:
             raise ValueError(f"decoder_max_replicas ({self.decoder_max_replicas}) is below decoder_replicas "
                              f"({self.decoder_replicas})")
         return self
+
+    def routed_experts(self) -> int:
+        import json
+
+        raw = json.loads((Path(self.model) / "config.json").read_text())
+        return int(raw.get("text_config", raw)["n_routed_experts"])
 
     def resolved_api_key(self) -> str | None:
         """The API key clients must send (None: no key), read from ``api_key_file`` if set."""

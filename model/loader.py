@@ -15,7 +15,7 @@ This is the only file of :mod:`model` that touches the disk.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from . import formats
 from .config import ModelConfig
+from .parallel import ExpertShard
 from .transformer import Transformer
 
 
@@ -51,12 +52,14 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return shards
 
 
-def read_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(released name, tensor) for every tensor of the checkpoint, lazily per file."""
+def read_tensors(directory: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(released name, tensor) for every tensor of the checkpoint, lazily per file;
+    with ``keep``, only the tensors whose parameter name it accepts are read."""
     for path in checkpoint_files(directory):
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if keep is None or keep(_module_name(name)):
+                    yield name, handle.get_tensor(name)
 
 
 def _module_name(name: str) -> str:
@@ -90,14 +93,15 @@ def _dequantize(name: str, weight: torch.Tensor, scale: torch.Tensor, target_sha
     raise CheckpointError(f"{name}: unsupported quantised storage {weight.dtype} {tuple(weight.shape)}")
 
 
-def load_state(directory: Path, modules: list[torch.nn.Module],
-               block: tuple[int, int] = _BLOCK) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def load_state(directory: Path, modules: list[torch.nn.Module], block: tuple[int, int] = _BLOCK,
+               keep: Callable[[str], bool] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Copy a checkpoint's tensors into ``modules`` (dequantising), strictly.
 
     The modules' parameter names must not collide (the backbone owns ``layers.``,
     ``embed.``, ``norm.``, ``lm_head.``; the drafter ``mtp.``; the vision tower
     ``vision.``, ``aligner.``, ``image_*``). Every parameter must be present, every
-    tensor used, every shape equal. Returns the stored bytes of every quantised
+    tensor used, every shape equal; with ``keep`` (a worker's share of the model), the
+    tensors it refuses are not read. Returns the stored bytes of every quantised
     parameter, ``{parameter name: (data, scale)}``, as read.
     """
     params: dict[str, torch.Tensor] = {}
@@ -106,7 +110,7 @@ def load_state(directory: Path, modules: list[torch.nn.Module],
     pending_scales: dict[str, torch.Tensor] = {}
     quantised: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
-    for raw_name, tensor in read_tensors(directory):
+    for raw_name, tensor in read_tensors(directory, keep):
         name = _module_name(raw_name)
         if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in params:
             pending_scales[name[: -len(".scale")] + ".weight"] = tensor
@@ -187,16 +191,24 @@ def build_modules(config: ModelConfig, device: str | torch.device = "cpu") -> Ch
 _PART_PREFIXES = {"drafter": ("mtp.",), "vision": ("vision.", "aligner.", "image_")}
 
 
-def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", keep_stored: bool = False) -> Checkpoint:
+def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", keep_stored: bool = False,
+                    shard: ExpertShard | None = None) -> Checkpoint:
     """Build every part of the checkpoint from ``config.json`` and load its weights.
 
     The drafter and the vision tower are loaded when the checkpoint has their tensors
     (a checkpoint with none of a part's tensors loads without that part). With
-    ``keep_stored`` the quantised bytes are kept for an exact re-save.
+    ``keep_stored`` the quantised bytes are kept for an exact re-save. With ``shard``
+    (the lead worker of an expert-parallel replica) every MoE layer keeps only the
+    shard's routed experts, and the others' tensors are not read.
     """
     directory = Path(directory)
     config = ModelConfig.load(directory)
     meta = build_modules(config, "meta")
+    if shard is not None:
+        if shard.rank != 0:
+            raise ValueError("load_checkpoint loads the lead worker's share; the others load_experts")
+        for block in meta.backbone.layers:
+            block.ffn.experts = _expert_table(block.ffn.experts, shard.experts)
     names = [_module_name(name) for name in tensor_names(directory)]
     present = {part: any(n.startswith(prefixes) for n in names) for part, prefixes in _PART_PREFIXES.items()}
     parts = {
@@ -206,9 +218,41 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", k
     }
     for module in parts.values():  # rotary tables are buffers no checkpoint stores
         module.apply(_rebuild_rotary)
-    stored = load_state(directory, list(parts.values()), weight_block(config))
+    stored = load_state(directory, list(parts.values()), weight_block(config), None if shard is None else shard.holds)
     return Checkpoint(config, **{name: module.to(device).eval() for name, module in parts.items()},
                       stored=stored if keep_stored else {})
+
+
+def _expert_table(experts: torch.nn.ModuleList, keep: range) -> torch.nn.ModuleDict:
+    """The experts numbered in ``keep``, under the same parameter names."""
+    return torch.nn.ModuleDict({str(e): experts[e] for e in keep})
+
+
+def load_experts(directory: str | Path, shard: ExpertShard, layers: range | None = None,
+                 device: str | torch.device = "cpu") -> dict[int, torch.nn.ModuleDict]:
+    """A worker's share of the routed experts, ``{layer: {str(expert): Expert}}`` (of
+    ``layers``, default all), reading only those tensors of the checkpoint."""
+    from .moe import Expert
+
+    directory = Path(directory)
+    config = ModelConfig.load(directory)
+    text = config.text
+    layers = range(text.num_hidden_layers) if layers is None else layers
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict()
+    with torch.device("meta"):
+        for layer in layers:
+            ffn = torch.nn.Module()
+            ffn.experts = torch.nn.ModuleDict(
+                {str(e): Expert(text.hidden_size, text.moe_intermediate_size, text.swiglu_limit) for e in shard.experts}
+            )
+            holder.layers[str(layer)] = torch.nn.Module()
+            holder.layers[str(layer)].ffn = ffn
+    holder.to_empty(device="cpu")
+    names = {f"layers.{layer}." for layer in layers}
+    load_state(directory, [holder], weight_block(config),
+               lambda name: shard.holds(name) and name.startswith(tuple(names)) and ".ffn.experts." in name)
+    return {layer: holder.layers[str(layer)].ffn.experts.to(device).eval() for layer in layers}
 
 
 def tensor_names(directory: Path) -> list[str]:

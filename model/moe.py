@@ -98,18 +98,46 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat, image_mask)
-        out = self.shared_experts(flat).float()
-        # Dispatch: group the (token, slot) pairs by expert and run each expert once.
+        groups = ExpertGroups.of(weights, indices, len(self.experts))
+        outputs = [expert(flat[rows], w) if len(rows) else None
+                   for expert, (rows, w) in zip(self.experts, groups.split())]
+        return groups.combine(self.shared_experts(flat), outputs).to(x.dtype).reshape(shape)
+
+
+class ExpertGroups:
+    """The dispatch of one MoE call: its (token, slot) pairs grouped by expert, in
+    expert order (each expert then runs once over its tokens), and the combine that
+    adds the experts' weighted outputs back in that same order."""
+
+    def __init__(self, tokens: torch.Tensor, weights: torch.Tensor, counts: list[int]):
+        self.tokens, self.weights, self.counts = tokens, weights, counts
+        self.starts = [0]
+        for count in counts:
+            self.starts.append(self.starts[-1] + count)
+
+    @classmethod
+    def of(cls, weights: torch.Tensor, indices: torch.Tensor, n_experts: int) -> "ExpertGroups":
+        """From the router's (weights [N, k], indices [N, k])."""
         order = indices.flatten().argsort(stable=True)
-        counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
-        tokens = order // indices.shape[1]
-        slot_weights = weights.flatten()[order]
+        counts = torch.bincount(indices.flatten(), minlength=n_experts).tolist()
+        return cls(order // indices.shape[1], weights.flatten()[order], counts)
+
+    def split(self, experts: range | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(token rows, routing weights [n, 1]) of each expert of ``experts`` (default all)."""
+        experts = range(len(self.counts)) if experts is None else experts
+        return [(self.tokens[self.starts[e]:self.starts[e + 1]], self.weights[self.starts[e]:self.starts[e + 1], None])
+                for e in experts]
+
+    def span(self, experts: range) -> slice:
+        """Where ``experts``' pairs lie in the grouped order."""
+        return slice(self.starts[experts.start], self.starts[experts.stop])
+
+    def combine(self, shared: torch.Tensor, outputs: list[torch.Tensor | None]) -> torch.Tensor:
+        """``shared`` [N, D] plus every expert's weighted output (``outputs[e]``, one row
+        per pair of expert ``e``, None for an expert with none), fp32."""
+        out = shared.float()
         routed = torch.zeros_like(out)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                rows = tokens[start : start + count]
-                y = expert(flat[rows], slot_weights[start : start + count, None])
-                routed.index_add_(0, rows, y.float())
-                start += count
-        return (routed + out).to(x.dtype).reshape(shape)
+        for e, y in enumerate(outputs):
+            if y is not None:
+                routed.index_add_(0, self.tokens[self.starts[e]:self.starts[e + 1]], y.float())
+        return routed + out

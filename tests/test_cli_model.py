@@ -20,7 +20,7 @@ FULL = "configs/deepseek-v4.1-flash"
 
 @pytest.fixture(scope="module")
 def full_report():
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "params", FULL, "--json"],
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "params", FULL, "--parallel", "experts=8", "--json"],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -36,6 +36,32 @@ def test_released_model_accounting(full_report):
     assert abs(r["checkpoint_bytes"] / 511e9 - 1) < 0.03
     assert r["kv_bytes_per_token"] == 890
     assert 13e9 < r["categories"]["drafter"] + r["categories"]["vision"] < 15e9
+
+
+def test_released_model_split_over_eight_devices(full_report):
+    """`--parallel experts=8`: the decoder replica's bytes per worker, against the
+    formats' arithmetic."""
+    from cluster.commands.params import extra_modules
+    from model import formats
+    from model.accounting import _stored_bytes
+
+    split = full_report["parallel"]
+    text = ModelConfig.load(FULL).text
+    # Each worker: 48 of 384 experts of 40 layers, three 5120x2304 matrices each, FP4
+    # codes (half a byte) with a UE8M0 scale per 32 values.
+    experts = text.num_hidden_layers * (text.n_routed_experts // 8) * 3 * text.hidden_size * text.moe_intermediate_size
+    assert experts == 67_947_724_800
+    assert len(split["worker_bytes"]) == 8 and split["worker_bytes"][1:] == [experts * 17 // 32] * 7
+    # All of it: the checkpoint less the Engram tables (the table service's) and the
+    # vision tower (the prefill pool's).
+    vision = sum(_stored_bytes(name, p.shape)
+                 for name, p in extra_modules(ModelConfig.load(FULL))["vision"].named_parameters())
+    engram = formats.ENGRAM_ROW.nbytes(full_report["engram"])
+    assert sum(split["worker_bytes"]) == split["pool_bytes"] == full_report["checkpoint_bytes"] - engram - vision
+    # The lead (attention, 1/8 of the experts, the drafter) leaves 80+ GB of an H200 for caches.
+    assert split["fits"] and split["free_bytes"][0] > 80e9 and split["device_bytes"] == 141e9
+    assert split["lead_cache_tokens"] == split["free_bytes"][0] // 890
+    assert split["bytes_per_token"]["back"] == 40 * 6 * 7 / 8 * 5120 * 2  # BF16 states of remote (token, expert) pairs
 
 
 def test_released_engram_layout_and_cache_bytes():

@@ -42,6 +42,17 @@ def test_a_serve_yaml_gives_its_first_applications_args_and_flags_win(tmp_path, 
     assert args["max_queued_requests"] == 32 and args["ssd_dir"] == str(tmp_path / "c" / "{node}")
 
 
+def test_expert_flags_split_the_pools_over_a_yamls_worker_resources(tmp_path, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    plain = tmp_path / "args.yaml"
+    plain.write_text("decoder_parallel: {experts: 4, worker_resources: {GPU: 1}}\n")
+    args = parse("--config", str(plain), "--decoder-experts", "2", "--prefill-experts", "2")
+    assert args["decoder_parallel"] == {"experts": 2, "worker_resources": {"GPU": 1}}
+    assert args["prefill_parallel"] == {"experts": 2}
+    with pytest.raises(UserError, match="decoder_parallel.experts=3 does not divide"):
+        parse("--decoder-experts", "3")
+
+
 def test_a_mistake_is_one_line_naming_the_argument(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_batch: 0\nsurprise: 1\n")

@@ -45,6 +45,22 @@ def test_app_arguments_are_validated():
         AppConfig.from_args({"api_key": "k", "api_key_file": "/k"})
 
 
+def test_a_pool_split_is_checked_against_the_model():
+    model = {"model": "tests/golden/A"}  # 8 routed experts
+    assert AppConfig.from_args({**model, "decoder_parallel": {"experts": 4}}).decoder_parallel.experts == 4
+    with pytest.raises(ValueError, match="prefill_parallel.experts=3 does not divide the model's 8 routed experts"):
+        AppConfig.from_args({**model, "prefill_parallel": {"experts": 3}})
+    with pytest.raises(ValueError, match="decoder_parallel.tensor: tensor parallelism is not built"):
+        AppConfig.from_args({**model, "decoder_parallel": {"experts": 2, "tensor": 2}})
+    with pytest.raises(ValueError, match="compiled_step"):
+        AppConfig.from_args({**model, "decoder_parallel": {"experts": 2}, "compiled_step": True})
+    with pytest.raises(ValueError, match="unknown application argument 'decoder_parallel.expert'"):
+        AppConfig.from_args({**model, "decoder_parallel": {"expert": 2}})
+    from cluster.app import decoder_options
+
+    assert decoder_options(AppConfig.from_args({**model, "decoder_parallel": {"experts": 2}}))["health_check_period_s"] == 2
+
+
 def test_the_decoder_pool_queues_at_the_router_and_autoscales_on_its_batch():
     from cluster.app import decoder_options
 

@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "agents": ("cluster.bench.agents", "agent sessions on several raylets, routing policies side by side"),
     "load": ("cluster.bench.load", "many streaming clients in a closed loop: answered, failed, queue wait, TTFT"),
     "grammar": ("cluster.bench.grammar", "constrained decoding's cost per decode step at batch 16, plain and DSpark"),
+    "experts": ("cluster.bench.experts", "one replica split over worker processes sharing the experts, against one process"),
     "tools": ("cluster.bench.tools", "tool calling on held-out conversations: well-formed, right function, free and constrained"),
 }
 

@@ -91,6 +91,7 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
     logging.getLogger("ray.serve").addFilter(ready_filter)
     try:
         if address is None:
+            num_cpus = (num_cpus or os.cpu_count() or 1) + expert_worker_cpus(app_args)
             ray.init(namespace="v41", object_store_memory=object_store_mb << 20, num_cpus=num_cpus,
                      include_dashboard=False, log_to_driver=False)
         else:
@@ -110,6 +111,20 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
                 supervisor.stop()
                 redis.stop()
             logging.getLogger("ray.serve").removeFilter(ready_filter)
+
+
+def expert_worker_cpus(app_args: dict) -> int:
+    """The CPUs the split replicas' expert workers ask for (each worker's bundle):
+    a one-machine Ray offers them on top of its cores, the workers being processes
+    that share the cores with the replicas whose MoE layers they run."""
+    from cluster.config import AppConfig
+
+    config = AppConfig.from_args(app_args)
+    total = 0.0
+    for replicas, parallel in ((config.prefill_replicas, config.prefill_parallel),
+                               (config.decoder_max_replicas or config.decoder_replicas, config.decoder_parallel)):
+        total += replicas * (parallel.experts - 1) * parallel.worker_resources.get("CPU", 0.0)
+    return int(-(-total // 1))
 
 
 # The flags for the arguments people change most; everything else: --config FILE.
@@ -144,6 +159,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay whole prompts through the decoder")
     parser.add_argument("--compiled-step", action="store_true", default=None,
                         help="compile each layer's per-token work in the decoder pool (torch.compile, at start)")
+    for pool in ("decoder", "prefill"):
+        parser.add_argument(f"--{pool}-experts", type=int, default=None, metavar="N",
+                            help=f"split each {pool} replica over N workers sharing the routed experts (default 1)")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help=f"require the bearer token in this file (or export {API_KEY_ENV})")
     parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default=None,
@@ -202,6 +220,10 @@ def app_arguments(args: argparse.Namespace) -> dict:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             app_args[name] = int(value * (1 << 30)) if name == "ram_capacity_bytes" else value
+    for pool in ("decoder", "prefill"):
+        experts = getattr(args, f"{pool}_experts")
+        if experts is not None:
+            app_args[f"{pool}_parallel"] = {**app_args.get(f"{pool}_parallel", {}), "experts": experts}
     if args.api_key_file is not None:
         app_args.pop("api_key", None)
         app_args["api_key_file"] = str(args.api_key_file.resolve())
