@@ -164,14 +164,20 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         engram_ids: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Reference logits [B, S, V] for ``input_ids`` [B, S] starting at position 0.
 
         ``engram_ids`` [B, S, n_engram_layers, cols] are the Engram row ids of every
         position (:class:`model.engram.NgramHasher`); required when the model has
-        Engram layers. ``image_mask`` [B, S] marks image tokens (router bias, Engram off).
+        Engram layers. ``image_mask`` [B, S] marks image tokens (router bias, Engram off);
+        ``image_embeds`` [n, D] are their input embeddings (the image spans, in order),
+        in place of the image token's embedding.
         """
-        streams, pre = self.embed_streams(input_ids)
+        x = self.embed(input_ids)
+        if image_embeds is not None:
+            x = x.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(x.dtype))
+        streams, pre = self.streams_of(x)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         rows = self.engram_rows(engram_ids)
         memory = SequenceMemory()
@@ -190,7 +196,11 @@ class Transformer(nn.Module):
 
     def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, S] -> (streams [B, S, hc, D], the first site's one-hot ``pre``)."""
-        x = self.embed(input_ids)
+        return self.streams_of(self.embed(input_ids))
+
+    def streams_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embeddings [..., D] (token embeddings, image spans) -> (streams [..., hc, D],
+        the first site's one-hot ``pre``): copied into every stream."""
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.hc_mult, x.shape[-1]).contiguous()
         return streams, mhc.first_pre(streams)
 

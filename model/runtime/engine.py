@@ -34,6 +34,7 @@ batch for projections, mHC and MoE; attention runs per sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,20 @@ class DecoderInput:
 
     def _fields(self) -> tuple:
         return self.positions, self.streams, self.pre, self.token_ids, self.engram_ids
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image in a prompt: its span (start marker, rows of image tokens each ended by
+    a newline marker, end marker) at absolute positions ``start .. start + length``,
+    every one holding the model's image token id. ``embed()`` returns the span's input
+    embeddings [length, D] (the vision tower's output); the engine calls it only when
+    it encodes some of the span's positions, so a span read from the store costs no
+    tower run."""
+
+    start: int
+    length: int
+    embed: Callable[[], torch.Tensor]
 
 
 @dataclass
@@ -135,10 +150,16 @@ class Engine:
     """Runs a :class:`Transformer` over :class:`SequenceCache` objects. No I/O, no Ray."""
 
     def __init__(self, model: Transformer, hasher: NgramHasher | None, bounded_replay: bool = True,
-                 query_chunk: int = 128, prefill_chunk: int = 1024, compiled: bool = False):
+                 query_chunk: int = 128, prefill_chunk: int = 1024, compiled: bool = False,
+                 image_token_id: int | None = None):
         """``compiled``: steps of few tokens (decode, verify, short replays) run each
-        block's per-token work compiled (:mod:`model.runtime.compiled`)."""
+        block's per-token work compiled (:mod:`model.runtime.compiled`).
+        ``image_token_id`` (a model that reads images): positions holding it are image
+        positions: their embeddings come from an :class:`ImageSpan`, the MoE routers use
+        their image bias there, Engram's gate is shut there and its n-grams never cross
+        them."""
         self.model, self.hasher, self.bounded_replay = model, hasher, bounded_replay
+        self.image_token_id = image_token_id
         self.compiled = None
         if compiled:
             from model.runtime.compiled import CompiledBlocks
@@ -170,27 +191,32 @@ class Engine:
 
     # ------------------------------------------------------------------ pools
     @torch.no_grad()
-    def prefill(self, cache: SequenceCache, token_ids: list[int], engram_rows=None) -> DecoderInput:
+    def prefill(self, cache: SequenceCache, token_ids: list[int], engram_rows=None,
+                images: Sequence[ImageSpan] = ()) -> DecoderInput:
         """Encoder half over ``token_ids`` (positions ``cache.length`` on) + CED projection.
 
         Long prompts run in chunks of ``prefill_chunk`` tokens (the caches carry over
         between chunks exactly). ``engram_rows`` is an optional thunk returning, per
         Engram layer, rows [n, cols, head_dim] for these tokens (a remote table
         service); it is called right before the first Engram layer. Without it the
-        model's tables are read.
+        model's tables are read. ``images``: the spans of the prompt's images (those
+        that do not reach these tokens are not embedded).
         """
         device = self.model.embed.weight.device
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         start = cache.length
         positions = torch.arange(start, start + len(token_ids), device=device)
-        hash_ids = self._hash(cache, ids)
+        image_mask = self._image_mask(ids)
+        x = self._embeddings(ids, start, image_mask, images)
+        hash_ids = self._hash(cache, ids, image_mask)
         pending_rows = engram_rows
         rows: dict[int, torch.Tensor] | None = None
         outputs = []
         for lo in range(0, len(token_ids), self.prefill_chunk):
             hi = min(len(token_ids), lo + self.prefill_chunk)
-            streams, pre = self.model.embed_streams(ids[None, lo:hi])
+            streams, pre = self.model.streams_of(x[lo:hi])
             segment = [_Segment(cache, positions[lo:hi], 0, hi - lo)]
+            mask = None if image_mask is None else image_mask[lo:hi]
 
             def chunk_rows() -> dict[int, torch.Tensor]:
                 nonlocal rows
@@ -198,12 +224,38 @@ class Engine:
                     rows = pending_rows() if pending_rows is not None else self._table_rows(hash_ids)
                 return {layer: r[lo:hi] for layer, r in rows.items()}
 
-            streams, pre = self._run(segment, streams[0], pre[0], range(self.decoder_start), chunk_rows)
-            self._project_decoder_memory(segment, streams, pre, chunk_rows)
+            streams, pre = self._run(segment, streams, pre, range(self.decoder_start), chunk_rows, image_mask=mask)
+            self._project_decoder_memory(segment, streams, pre, chunk_rows, mask)
             cache.length = start + hi
             outputs.append((streams, pre))
         return DecoderInput(positions, torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), ids,
                             None if hash_ids is None else hash_ids[0])
+
+    def _image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """True at image positions of ``ids`` [n]; None when there are none."""
+        if self.image_token_id is None:
+            return None
+        mask = ids == self.image_token_id
+        return mask if bool(mask.any()) else None
+
+    def _embeddings(self, ids: torch.Tensor, start: int, image_mask: torch.Tensor | None,
+                    images: Sequence[ImageSpan]) -> torch.Tensor:
+        """Input embeddings [n, D] of tokens at ``start ..``: the token table's, and the
+        image spans' at image positions (every image position needs its span)."""
+        x = self.model.embed(ids)
+        covered = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        for span in images:
+            lo, hi = max(span.start, start), min(span.start + span.length, start + len(ids))
+            if lo < hi:
+                embeddings = span.embed()
+                if embeddings.shape[0] != span.length:
+                    raise ValueError(f"an image span of {span.length} positions got {embeddings.shape[0]} embeddings")
+                x[lo - start:hi - start] = embeddings[lo - span.start:hi - span.start].to(x.dtype)
+                covered[lo - start:hi - start] = True
+        expected = torch.zeros_like(covered) if image_mask is None else image_mask
+        if not torch.equal(covered, expected):
+            raise ValueError("image spans and image token positions disagree")
+        return x
 
     @torch.no_grad()
     def replay(self, cache: SequenceCache, inputs: DecoderInput, exact: bool | None = None,
@@ -226,7 +278,8 @@ class Engine:
         segments = [_Segment(cache, inputs.positions, 0, len(inputs.positions))]
         layers = range(self.decoder_start, self.config.num_hidden_layers)
         rows = self._table_rows(inputs.engram_ids[None], self._decoder_engram) if self._decoder_engram else {}
-        streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, rows, tap)
+        streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, rows, tap,
+                                 self._image_mask(inputs.token_ids))
         return self.model.head(streams[-1:], pre[-1:])[0]
 
     @torch.no_grad()
@@ -292,7 +345,7 @@ class Engine:
         return [logits[s.lo : s.hi] for s in segments], [s.rewind for s in segments]
 
     @torch.no_grad()
-    def restore(self, cache: SequenceCache, token_ids: list[int]) -> DecoderInput:
+    def restore(self, cache: SequenceCache, token_ids: list[int], images: Sequence[ImageSpan] = ()) -> DecoderInput:
         """Encoder SWA Bounded Replay: rebuild expired encoder windows of a sequence.
 
         ``cache`` holds the long-range state of ``token_ids`` (the whole sequence so
@@ -309,20 +362,25 @@ class Engine:
         ids = torch.tensor(token_ids[start:], dtype=torch.long, device=device)
         positions = torch.arange(start, cache.length, device=device)
         hash_ids = self._lookback_ids(token_ids, start)
-        streams, pre = self.model.embed_streams(ids[None])
+        image_mask = self._image_mask(ids)
+        streams, pre = self.model.streams_of(self._embeddings(ids, start, image_mask, images))
         segments = [_Segment(cache, positions, 0, len(ids))]
-        streams, pre = self._run(segments, streams[0], pre[0], range(self.decoder_start), self._table_rows(hash_ids))
+        streams, pre = self._run(segments, streams, pre, range(self.decoder_start), self._table_rows(hash_ids),
+                                 image_mask=image_mask)
         return DecoderInput(positions, streams, pre, ids, None if hash_ids is None else hash_ids[0])
 
     # ------------------------------------------------------------------ layers
-    def _run(self, segments: list[_Segment], streams, pre, layers: range, rows, tap: Tap | None = None):
+    def _run(self, segments: list[_Segment], streams, pre, layers: range, rows, tap: Tap | None = None,
+             image_mask: torch.Tensor | None = None):
         """Blocks ``layers`` over the flat batch: streams [N, hc, D], pre [N, hc].
 
         ``rows`` maps Engram layers to their rows [N, cols, hd], or is a thunk that
         returns that map, called only when the first Engram layer is reached.
+        ``image_mask`` [N]: the image positions (None: none).
         """
         picks: list[dict] = [{} for _ in segments]  # per sequence: this step's indexer picks
-        run_block = self.compiled if self.compiled is not None and self.compiled.handles(streams.shape[0]) else None
+        compiled = self.compiled is not None and image_mask is None and self.compiled.handles(streams.shape[0])
+        run_block = self.compiled if compiled else None
         for index in layers:
             block = self.model.layers[index]
             if tap is not None and index in tap.layers:
@@ -333,7 +391,7 @@ class Engine:
             if run_block is not None:
                 streams, pre = run_block(block, streams, pre, attend, self._rows_of(block, rows))
             else:
-                streams, pre = block(streams, pre, attend, self._rows_of(block, rows))
+                streams, pre = block(streams, pre, attend, self._rows_of(block, rows), image_mask)
         return streams, pre
 
     @staticmethod
@@ -343,14 +401,14 @@ class Engine:
             return None
         return (rows() if callable(rows) else rows)[block.plan.index]
 
-    def _project_decoder_memory(self, segments, streams, pre, rows) -> None:
+    def _project_decoder_memory(self, segments, streams, pre, rows, image_mask: torch.Tensor | None = None) -> None:
         """The CED projection: the decoder's KV source pools the encoder output."""
         if self.decoder_start >= self.config.num_hidden_layers:
             return
         block = self.model.layers[self.decoder_start]
         if block.plan.is_kv_source:
             if block.engram is not None:
-                streams = block.engram(streams, self._rows_of(block, rows), None)
+                streams = block.engram(streams, self._rows_of(block, rows), None if image_mask is None else ~image_mask)
             x = block.attn_norm(mhc.collapse(streams, pre))
             for s in segments:
                 self._compress(block, s.cache, x[s.lo : s.hi], s.positions)
@@ -496,11 +554,13 @@ class Engine:
         return torch.cat(indices), torch.cat(valid)
 
     # ------------------------------------------------------------------ Engram rows
-    def _hash(self, cache: SequenceCache, ids: torch.Tensor) -> torch.Tensor | None:
-        """Engram row ids [n, layers, cols] of new tokens; advances the n-gram context."""
+    def _hash(self, cache: SequenceCache, ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Engram row ids [n, layers, cols] of new tokens (no n-gram reaches across an
+        image position); advances the n-gram context."""
         if self.hasher is None:
             return None
-        hash_ids, cache.ngram = self.hasher.hash_ids(ids[None], cache.ngram)
+        token_mask = None if image_mask is None else ~image_mask[None]
+        hash_ids, cache.ngram = self.hasher.hash_ids(ids[None], cache.ngram, token_mask=token_mask)
         return hash_ids
 
     def _table_rows(self, hash_ids: torch.Tensor | None, layers: tuple[int, ...] | None = None) -> dict[int, torch.Tensor]:
@@ -516,5 +576,6 @@ class Engine:
             return None
         back = max(0, start - (self.hasher.max_ngram_size - 1))
         ids = torch.tensor(token_ids[back:], dtype=torch.long, device=self.model.embed.weight.device)
-        hash_ids, _ = self.hasher.hash_ids(ids[None])
+        image_mask = self._image_mask(ids)
+        hash_ids, _ = self.hasher.hash_ids(ids[None], token_mask=None if image_mask is None else ~image_mask[None])
         return hash_ids[:, start - back :]
