@@ -34,7 +34,7 @@ from model.runtime.cache import SequenceCache
 from model.runtime.engine import DecoderInput, Engine
 from model.runtime.sampling import SamplingParams
 from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
-from storage.keys import ObjectKey
+from storage.keys import MediaSpan, ObjectKey
 
 from .prefill import Moved, PrefillService, StoreLike, read_through
 from .store import STORE_TIMEOUT_S
@@ -50,6 +50,7 @@ class _Conversation:
     token_ids: tuple[int, ...]
     chunk_keys: tuple[ObjectKey, ...]
     stored_chunks: int
+    media: tuple[MediaSpan, ...] = ()
 
 
 class PrefixUnavailable(RuntimeError):
@@ -82,7 +83,8 @@ class DecoderService:
             load_window(cache, handoff.state, self.naming.identity)
         inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids,
                               handoff.replay_engram_ids)
-        self._requests[request_id] = _Conversation(handoff.token_ids, handoff.chunk_keys, handoff.stored_chunks)
+        self._requests[request_id] = _Conversation(handoff.token_ids, handoff.chunk_keys, handoff.stored_chunks,
+                                                   handoff.media)
         start = time.perf_counter()
         try:
             return self.batcher.add(request_id, params, cache=cache, inputs=inputs)
@@ -155,10 +157,10 @@ class DecoderService:
             raise RuntimeError(f"cache holds {cache.length} tokens, the conversation {len(tokens)}")
         size = self.naming.chunk_tokens
         whole = cache.length // size
-        keys = self.naming.chunks(tokens, known=handoff.chunk_keys)
+        keys = self.naming.chunks(tokens, known=handoff.chunk_keys, media=handoff.media)
         objects = [(keys[index], chunk_to_bytes(cache, index * size, size, self.naming.identity))
                    for index in range(handoff.stored_chunks, whole)]
-        window = self.naming.window(tokens, known=tuple(keys))
+        window = self.naming.window(tokens, known=tuple(keys), media=handoff.media)
         return objects + [(window, window_to_bytes(cache, whole * size, self.naming.identity))]
 
 

@@ -63,7 +63,7 @@ def lead(directory: str | Path, workers: int, drop_decoder: bool = False):
 
     text = ModelConfig.load(directory).text
     shard = ExpertShard(0, workers, text.n_routed_experts)
-    checkpoint = load_checkpoint(directory, shard=shard)
+    checkpoint = load_checkpoint(directory, shard=shard, vision=drop_decoder)
     if drop_decoder:
         checkpoint.backbone.keep_encoder_only()
         checkpoint.drafter = None

@@ -14,6 +14,7 @@ the rest of the cache serialized, and the decoder input.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -23,12 +24,14 @@ import torch
 from ray import serve
 
 from cluster.config import AppConfig
-from model.runtime.engine import DecoderInput, Engine
+from model.config import VisionConfig
+from model.runtime.engine import DecoderInput, Engine, ImageSpan
 from model.runtime.serialize import StateError, load_chunks, load_window, window_to_bytes
-from storage.keys import ObjectKey
+from model.vision import VisionTower, preprocess_image
+from storage.keys import MediaSpan, ObjectKey
 
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
-from .state import CachePlan, Handoff, StateNaming
+from .state import CachePlan, Handoff, PromptImage, StateNaming
 
 
 class StoreLike(Protocol):
@@ -75,15 +78,36 @@ def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | No
     return blobs
 
 
+class ImageEncoder:
+    """A prefill replica's vision tower: a prompt's images to the engine's spans,
+    each run (preprocessing and tower) only when the engine encodes some of the span."""
+
+    def __init__(self, tower: VisionTower, config: VisionConfig):
+        self.tower, self.config = tower, config
+        self.runs = 0  # images through the tower (tests, the vision bench)
+
+    def spans(self, images: tuple[PromptImage, ...]) -> list[ImageSpan]:
+        return [ImageSpan(image.start, image.length, functools.partial(self.embed, image)) for image in images]
+
+    def embed(self, image: PromptImage) -> torch.Tensor:
+        patches, plan = preprocess_image(image.pixels, self.config)
+        if plan.num_tokens != image.length:
+            raise ValueError(f"an image planned at {image.length} positions takes {plan.num_tokens}")
+        self.runs += 1
+        return self.tower(patches, plan.vit_h, plan.vit_w)
+
+
 class PrefillService:
     """Turns cache plans into handoffs with one engine and one node store."""
 
     def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming, node_id: str | None = None,
-                 peers: Callable[[str], StoreLike | None] | None = None):
+                 peers: Callable[[str], StoreLike | None] | None = None, images: ImageEncoder | None = None):
         """``node_id``: the node whose store ``store`` is (named in handoffs, so that a
         decoder elsewhere can read the prefix from it); ``peers(node_id)``: another
-        node's store, read for what the plan says is stored there and this node lacks."""
+        node's store, read for what the plan says is stored there and this node lacks.
+        ``images``: the vision tower (a prefill replica of a model that reads images)."""
         self.engine, self.store, self.naming, self.node_id, self.peers = engine, store, naming, node_id, peers
+        self.images = images
 
     def prefill(self, plan: CachePlan, engram_rows: Callable[[], dict[int, torch.Tensor]] | None = None,
                 in_process: bool = False) -> Handoff:
@@ -94,18 +118,22 @@ class PrefillService:
         tokens = list(plan.token_ids)
         if not tokens:
             raise ValueError("empty prompt")
+        if plan.images and self.images is None:
+            raise ValueError("this replica has no vision tower: an image prompt goes to a prefill replica")
+        spans = self.images.spans(plan.images) if plan.images else []
         start = time.perf_counter()
-        keys = tuple(plan.chunk_keys) if plan.chunk_keys is not None else tuple(self.naming.chunks(tokens))
+        keys = (tuple(plan.chunk_keys) if plan.chunk_keys is not None
+                else tuple(self.naming.chunks(tokens, media=plan.media)))
         moved = Moved()
         cache, chunks_read, resumed = self._load_stored(tokens, plan, keys, moved)
         replay: DecoderInput | None = None
         if not resumed and cache.length:
-            replay = self.engine.restore(cache, tokens[: cache.length])
+            replay = self.engine.restore(cache, tokens[: cache.length], images=spans)
         cached = cache.length
         rows = None
         if engram_rows is not None:  # rows of the whole prompt: keep the new tokens'
             rows = lambda: {layer: r[cached:] for layer, r in engram_rows().items()}  # noqa: E731
-        fresh = self.engine.prefill(cache, tokens[cached:], engram_rows=rows)
+        fresh = self.engine.prefill(cache, tokens[cached:], engram_rows=rows, images=spans)
         inputs = replay.then(fresh) if replay is not None else fresh
         chunked = chunks_read * self.naming.chunk_tokens
         return Handoff(
@@ -123,6 +151,7 @@ class PrefillService:
             prefix_node=self.node_id,
             prefill_s=time.perf_counter() - start,
             moved_bytes=moved.bytes,
+            media=plan.media,
         )
 
     def _load_stored(self, tokens: list[int], plan: CachePlan, chunk_keys: tuple[ObjectKey, ...], moved: Moved):
@@ -134,25 +163,26 @@ class PrefillService:
         keys = list(chunk_keys[:usable])
         # The router asked the index for the windows after exactly these chunks.
         windows = (list(plan.windows) if plan.windows is not None
-                   else self._window_candidates(tokens, usable, chunk_keys))
+                   else self._window_candidates(tokens, usable, chunk_keys, plan.media))
         others = [node for node in plan.nodes if node != self.node_id]
         blobs = read_through(self.store, self.peers, keys + [key for _, key in windows], others, moved=moved)
         present = itertools.takewhile(lambda blob: blob is not None, blobs[: len(keys)])
         loaded = load_chunks(cache, present, self.naming.identity)  # up to a missing or bad chunk
         if loaded and self.engine.hasher is not None:
             # The n-gram context of the loaded prefix (the window state would carry it).
-            _, cache.ngram = self.engine.hasher.hash_ids(torch.tensor([tokens[: cache.length]]))
+            cache.ngram = self.engine.ngram_context(tokens[: cache.length])
         if loaded < usable:  # a chunk was missing or bad: the windows after it instead
-            windows = self._window_candidates(tokens, loaded, chunk_keys)
+            windows = self._window_candidates(tokens, loaded, chunk_keys, plan.media)
             blobs = [None] * len(keys) + read_through(self.store, self.peers, [key for _, key in windows], others,
                                                       moved=moved)
         return cache, loaded, self._load_window(cache, windows, blobs[len(keys):])
 
-    def _window_candidates(self, tokens: list[int], chunks: int,
-                           chunk_keys: tuple[ObjectKey, ...]) -> list[tuple[int, ObjectKey]]:
+    def _window_candidates(self, tokens: list[int], chunks: int, chunk_keys: tuple[ObjectKey, ...],
+                           media: tuple[MediaSpan, ...]) -> list[tuple[int, ObjectKey]]:
         """Every window state the prompt could resume from after ``chunks`` chunks
         (leaving its last token to encode)."""
-        return self.naming.window_candidates(tokens[:-1], chunks * self.naming.chunk_tokens, chunk_keys[:chunks])
+        return self.naming.window_candidates(tokens[:-1], chunks * self.naming.chunk_tokens, chunk_keys[:chunks],
+                                             media)
 
     def _load_window(self, cache, candidates: list[tuple[int, ObjectKey]], blobs: list[bytes | None]) -> bool:
         """Resume from the previous turn's window state when this node still has it."""
@@ -180,7 +210,8 @@ class PrefillPool:
         from cluster.metrics import PrefillMetrics
 
         self.bundle = bundle = ModelBundle(config, drop_decoder=True)
-        self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming, node_id(), peer_store)
+        self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming, node_id(), peer_store,
+                                      bundle.image_encoder())
         self.executor = one_thread_executor()
         self.metrics = PrefillMetrics()
 

@@ -55,16 +55,27 @@ class ModelBundle(ModelIdentity):
                                             drop_decoder, config.threads)
             checkpoint = self.workers.checkpoint
         else:
-            checkpoint = load_checkpoint(config.model)
+            checkpoint = load_checkpoint(config.model, vision=drop_decoder)
             if drop_decoder:
                 checkpoint.backbone.keep_encoder_only()
                 checkpoint.drafter = None
         model, self.drafter = checkpoint.backbone, checkpoint.drafter
+        # The vision tower is the prefill pool's: a decoder replica holds none.
+        self.vision = checkpoint.vision if drop_decoder else None
         self.hasher = load_hasher(config.model, self.model_config)
+        image_token_id = self.model_config.image_token_id if self.model_config.vision is not None else None
         self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay,
-                             compiled=config.compiled_step and not drop_decoder)
+                             compiled=config.compiled_step and not drop_decoder, image_token_id=image_token_id)
         if self.engine.compiled is not None:
             self.engine.warm_compiled()  # before any step is timed (the DSpark cost table) or served
+
+    def image_encoder(self):
+        """The prefill replica's :class:`actors.prefill.ImageEncoder` (None: no vision tower)."""
+        if self.vision is None:
+            return None
+        from actors.prefill import ImageEncoder
+
+        return ImageEncoder(self.vision, self.model_config.vision)
 
     def check_health(self) -> None:
         """Raise when the replica cannot serve: a lost expert worker (Serve then

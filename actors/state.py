@@ -15,7 +15,7 @@ import torch
 
 from model.runtime.cache import SequenceCache
 from model.runtime.serialize import StateIdentity, chunk_granularity
-from storage.keys import Fingerprint, ObjectKey, chunk_keys, window_key, window_keys_after
+from storage.keys import Fingerprint, MediaSpan, ObjectKey, chunk_keys, window_key, window_keys_after
 
 
 @dataclass(frozen=True)
@@ -32,26 +32,49 @@ class StateNaming:
             raise ValueError(f"chunk_tokens {chunk_tokens} must be a multiple of {chunk_granularity(config)}")
         return cls(Fingerprint(identity.model), identity, chunk_tokens)
 
-    def chunks(self, token_ids: list[int], known: tuple[ObjectKey, ...] = ()) -> list[ObjectKey]:
+    def chunks(self, token_ids: list[int], known: tuple[ObjectKey, ...] = (),
+               media: tuple[MediaSpan, ...] = ()) -> list[ObjectKey]:
         """Keys of the whole chunks of ``token_ids``; ``known`` are those of its first
-        chunks, already computed (the plan's): only the rest is hashed."""
-        return chunk_keys(self.fingerprint, token_ids, self.chunk_tokens, known=known)
+        chunks, already computed (the plan's): only the rest is hashed. ``media``: the
+        prompt's images (a chunk holding an image's start hashes its digest)."""
+        return chunk_keys(self.fingerprint, token_ids, self.chunk_tokens, media, known=known)
 
     def loadable_chunks(self, plan: "CachePlan") -> int:
         """How many of a plan's stored chunks a prefill loads: all of them, short of the
         prompt's last token, which must be encoded."""
         return min(plan.cached_chunks, (len(plan.token_ids) - 1) // self.chunk_tokens)
 
-    def window(self, token_ids: list[int], known: tuple[ObjectKey, ...] = ()) -> ObjectKey:
+    def window(self, token_ids: list[int], known: tuple[ObjectKey, ...] = (),
+               media: tuple[MediaSpan, ...] = ()) -> ObjectKey:
         """The name of the window state after all of ``token_ids``."""
-        return window_key(self.fingerprint, token_ids, self.chunk_tokens, known=known)
+        return window_key(self.fingerprint, token_ids, self.chunk_tokens, media, known=known)
 
-    def window_candidates(self, token_ids: list[int], chunked: int,
-                          known: tuple[ObjectKey, ...] = ()) -> list[tuple[int, ObjectKey]]:
+    def window_candidates(self, token_ids: list[int], chunked: int, known: tuple[ObjectKey, ...] = (),
+                          media: tuple[MediaSpan, ...] = ()) -> list[tuple[int, ObjectKey]]:
         """(length, key) of every window state a prompt could resume from after its
         first ``chunked`` tokens (the conversation's previous turn ended somewhere in
         the next chunk), longest first."""
-        return window_keys_after(self.fingerprint, token_ids, self.chunk_tokens, chunked, known=known)
+        return window_keys_after(self.fingerprint, token_ids, self.chunk_tokens, chunked, media, known=known)
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image of a prompt: its span starts at position ``start`` and takes ``length``
+    positions; ``pixels`` [3, H, W] uint8 RGB as decoded; ``digest`` names its content
+    (in the chunk keys: the same image in the same place shares cache, another never)."""
+
+    start: int
+    length: int
+    pixels: torch.Tensor
+    digest: bytes
+
+    @property
+    def media(self) -> MediaSpan:
+        return MediaSpan(self.start, self.digest)
+
+
+def media_of(images: tuple[PromptImage, ...]) -> tuple[MediaSpan, ...]:
+    return tuple(image.media for image in images)
 
 
 @dataclass(frozen=True)
@@ -71,6 +94,11 @@ class CachePlan:
     nodes: tuple[str, ...] = ()
     windows: tuple[tuple[int, ObjectKey], ...] | None = None
     chunk_keys: tuple[ObjectKey, ...] | None = None  # every whole chunk of the prompt (None: not computed)
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (only a prefill replica encodes them)
+
+    @property
+    def media(self) -> tuple[MediaSpan, ...]:
+        return media_of(self.images)
 
 
 @dataclass
@@ -108,6 +136,7 @@ class Handoff:
     timeline: dict[str, float] = field(default_factory=dict)
     prefilled_by: str = ""  # "pool" (a prefill replica) or "decoder" (encoded where it decodes)
     cache: SequenceCache | None = None
+    media: tuple[MediaSpan, ...] = ()  # the prompt's images (their places and digests: the store's names)
 
     def __getstate__(self):
         if self.cache is not None:

@@ -67,6 +67,12 @@ class AppConfig(BaseModel):
     max_queued_requests: PositiveInt = 256
     max_request_bytes: PositiveInt = 4 << 20  # a bigger body is answered 413 before it is read
     max_tokens_default: PositiveInt = 256
+    # Images (a model with a vision tower): per request at most this many, each at most
+    # this many encoded bytes and decoded pixels; file:// URLs only under image_dir.
+    max_images_per_request: NonNegativeInt = 8
+    max_image_bytes: PositiveInt = 8 << 20
+    max_image_pixels: PositiveInt = 40_000_000
+    image_dir: str | None = None
     max_model_len: PositiveInt = 16384
     chunk_tokens: PositiveInt = 64
     exact_replay: bool = False

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
-from model.chat import EFFORT_LEVELS, Message
+from model.chat import EFFORT_LEVELS, ImagePart, Message
 from model.runtime.sampling import SamplingParams, SamplingParamsError
 from model.tools import DSML, Content, ToolCall, ToolCallStream
 
@@ -60,6 +60,7 @@ class GenerationRequest:
     # None, or the JSON the answer must be: {"schema": ...} (None: any object).
     response_format: dict | None = None
     n: int = 1  # answers to sample, sharing one prefill of the prompt
+    images: tuple = ()  # (span positions, decoded image) of the messages' image parts, in order
 
     def samples(self) -> list[SamplingParams]:
         """Each answer's sampling: with a seed, answer i takes seed + i."""
@@ -158,6 +159,16 @@ class _TextPart(_Schema):
     text: str
 
 
+class _ImageUrl(_Schema):
+    url: str
+    detail: Literal["auto"] | None = None  # "low" / "high": one resolution rule here (the processor's)
+
+
+class _ImagePart(_Schema):
+    type: Literal["image_url"]
+    image_url: _ImageUrl
+
+
 class _Function(_Schema):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
@@ -205,7 +216,7 @@ class _ResponseFormat(_Schema):
 
 class _Message(_Schema):
     role: str
-    content: str | list[_TextPart] | None = None
+    content: str | list[Annotated[_TextPart | _ImagePart, Field(discriminator="type")]] | None = None
     reasoning_content: str | None = None
     tool_calls: list[_ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -255,9 +266,14 @@ def _validated(schema: type[_Request], data: dict) -> _Request:
     try:
         return schema.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
+        # The deepest mistake: of a union (content as a string, or a list of parts),
+        # the member the client meant got furthest.
+        first = max(error.errors(), key=lambda e: len(e["loc"]))
         # Drop the union members pydantic names in a location ("str", "list[...]", ...).
         loc = [str(part) for part in first["loc"] if not _union_member(str(part))]
+        # A content part's type tag follows its index: messages[0].content[1].image_url.url
+        loc = [part for i, part in enumerate(loc) if not (i and loc[i - 1].isdigit() and part in _PART_TAGS
+                                                            and i + 1 < len(loc))]
         param = loc[0] if loc else None
         where = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc).lstrip(".")
         if first["type"] == "extra_forbidden":
@@ -266,6 +282,9 @@ def _validated(schema: type[_Request], data: dict) -> _Request:
             raise ApiError(400, f"{param} is not supported by this server (only its default)", param) from None
         message = first["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{where or 'request'}: {message}", param) from None
+
+
+_PART_TAGS = ("text", "image_url")
 
 
 def _union_member(part: str) -> bool:
@@ -340,19 +359,27 @@ def _stream_flags(request: _Request) -> tuple[bool, bool]:
     return request.stream, bool(options is not None and options.include_usage)
 
 
-def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | None = None) -> GenerationRequest:
+def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | None = None,
+               read_image: Callable[[str], tuple[int, Any]] | None = None, max_images: int = 0) -> GenerationRequest:
+    """``read_image(url)`` -> (positions the image's span takes, the decoded image), or
+    ValueError; None: this model reads no images."""
     request = _validated(ChatRequest, data)
     _check_model(request, model_name)
-    messages = []
+    messages, images = [], []
     for i, message in enumerate(request.messages):
         content = message.content
+        parts: tuple = ()
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            if any(isinstance(part, _ImagePart) for part in content):
+                parts = tuple(part.text if isinstance(part, _TextPart)
+                              else _image_part(part, f"messages[{i}].content[{j}]", read_image, images, max_images)
+                              for j, part in enumerate(content))
+            content = "".join(part.text for part in content if isinstance(part, _TextPart))
         calls = tuple(ToolCall(call.function.name, call.function.arguments, call.id)
                       for call in message.tool_calls or ())
         try:
             messages.append(Message(message.role, content or "", reasoning=message.reasoning_content,
-                                    tool_calls=calls, tool_call_id=message.tool_call_id))
+                                    tool_calls=calls, tool_call_id=message.tool_call_id, parts=parts))
         except ValueError as error:
             raise ApiError(400, f"messages[{i}]: {error}", "messages") from None
     thinking, effort = _effort(request.reasoning_effort)
@@ -364,7 +391,21 @@ def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | 
                              messages=tuple(messages), thinking=thinking, effort=effort, tools=tools,
                              tool_choice=choice, tool_name=name, strict_tools=strict,
                              parallel_tool_calls=request.parallel_tool_calls is not False,
-                             response_format=response_format, n=_n(request))
+                             response_format=response_format, n=_n(request), images=tuple(images))
+
+
+def _image_part(part: _ImagePart, where: str, read_image, images: list, max_images: int) -> ImagePart:
+    param = f"{where}.image_url"
+    if read_image is None:
+        raise ApiError(400, f"{param}: this model reads no images", param)
+    if len(images) >= max_images:
+        raise ApiError(400, f"{param}: at most {max_images} images per request", param)
+    try:
+        length, image = read_image(part.image_url.url)
+    except ValueError as error:
+        raise ApiError(400, f"{param}: {error}", param) from None
+    images.append((length, image))
+    return ImagePart(length)
 
 
 def _response_format(request: ChatRequest, choice: str) -> dict | None:

@@ -13,6 +13,7 @@ request ends.
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import math
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException
 from actors.replica import ModelIdentity, prompt_gil_handoff
 from cluster import openai_api as api
 from cluster.config import AppConfig
+from cluster.images import ImageLimits, read_image
 from cluster.routing import NodeLoad
 from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, tool_call_grammar
 
@@ -189,6 +191,11 @@ class Router:
 
             self.link = RedisLink(config.redis_url, namespace="v41", timeout_s=0.5, retry_s=1.0)
             self.index = RedisIndex(self.link, key_ttl_s=config.chunk_retention_hours * 3600)
+        # A model that reads images: its image token, and what a request's images may be.
+        self.vision = self.model_config.vision
+        self.image_token_id = self.model_config.image_token_id if self.vision is not None else None
+        self.image_limits = ImageLimits(config.max_images_per_request, config.max_image_bytes,
+                                        config.max_image_pixels, config.image_dir)
         self.api_key = config.resolved_api_key()
         self.finished: deque[float] = deque(maxlen=4096)  # when requests ended (time.monotonic), for Retry-After
         self.waiting = 0  # dispatched requests without their first token yet
@@ -221,32 +228,35 @@ class Router:
         if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
             raise api.ApiError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
 
-    def _plan(self, tokens: list[int]):
+    def _plan(self, tokens: list[int], images: tuple = ()):
         """Which leading chunks of the prompt are stored, where, and which window state
-        after them the index knows of (one Redis round trip, two after a gap)."""
-        from actors.state import CachePlan
+        after them the index knows of (one Redis round trip, two after a gap).
+        ``images``: the prompt's :class:`actors.state.PromptImage` (their digests name
+        the chunks that hold them)."""
+        from actors.state import CachePlan, media_of
         from storage.policy import TierName
 
-        keys = self.naming.chunks(tokens)
+        media = media_of(images)
+        keys = self.naming.chunks(tokens, media=media)
         named = tuple(keys)
-        if self.index is None:
-            return CachePlan(tuple(tokens), len(keys), chunk_keys=named)  # one node: its store knows
+        if self.index is None:  # one node: its store knows
+            return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images)
         size = self.naming.chunk_tokens
         usable = max(0, min(len(keys), (len(tokens) - 1) // size))  # the prefill encodes the last token
-        windows = self.naming.window_candidates(tokens[:-1], usable * size, named)
+        windows = self.naming.window_candidates(tokens[:-1], usable * size, named, media)
         now = time.time()
         located = self.index.locate(keys + [key for _, key in windows], now)
         if located is None:  # Redis away: as on one node, the prefill's own store decides
-            return CachePlan(tuple(tokens), len(keys), chunk_keys=named)
+            return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images)
         found_windows = located[len(keys):]
         depth = 0
         while depth < len(keys) and located[depth]:
             depth += 1
         if depth < usable:  # a gap: the windows after the stored run instead
-            windows = self.naming.window_candidates(tokens[:-1], depth * size, named)
+            windows = self.naming.window_candidates(tokens[:-1], depth * size, named, media)
             found_windows = self.index.locate([key for _, key in windows], now)
             if found_windows is None:
-                return CachePlan(tuple(tokens), len(keys), chunk_keys=named)
+                return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images)
         known = tuple((window, locations) for window, locations in zip(windows, found_windows) if locations)
         best = [known[0][1]] if known else []
         if depth:
@@ -254,7 +264,34 @@ class Router:
         order = sorted((loc for locations in best for loc in locations),
                        key=lambda loc: (loc.tier is not TierName.RAM, loc.tier is not TierName.SSD))
         nodes = tuple(dict.fromkeys(loc.node_id for loc in order if loc.node_id != "*"))
-        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named)
+        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named, images)
+
+    def _read_image(self, url: str):
+        """(the positions its span takes, the decoded image) of an ``image_url``."""
+        from model.vision import plan_image
+
+        image = read_image(url, self.image_limits)
+        return plan_image(image.height, image.width, self.vision).num_tokens, image
+
+    def _prompt_images(self, request: api.GenerationRequest, tokens: list[int]) -> tuple:
+        """Where each of the request's images sits in the rendered prompt (its image
+        tokens, in order); every image token of the prompt belongs to one."""
+        from actors.state import PromptImage
+
+        if self.image_token_id is None:
+            return ()
+        images, position = [], 0
+        for length, image in request.images:
+            start = tokens.index(self.image_token_id, position)
+            images.append(PromptImage(start, length, image.pixels, image.digest))
+            position = start + length
+        spans = sum(length for length, _ in request.images)
+        if tokens.count(self.image_token_id) != spans or any(
+                tokens[i.start:i.start + i.length] != [self.image_token_id] * i.length for i in images):
+            param = "prompt" if request.prompt is not None else "messages"
+            raise api.ApiError(400, f"{param}: the image token (id {self.image_token_id}) stands only for the images "
+                               "of image_url parts", param)
+        return tuple(images)
 
     def _render(self, request: api.GenerationRequest) -> list[int]:
         if request.prompt is not None:
@@ -301,14 +338,17 @@ class Router:
         if len(tokens) + request.params.max_tokens > self.config.max_model_len:
             raise api.ApiError(400, f"this request needs {len(tokens) + request.params.max_tokens} tokens; the "
                                f"context is {self.config.max_model_len}", "messages", code="context_length_exceeded")
+        images = self._prompt_images(request, tokens)
         marks["rendered"] = time.time()
-        plan = self._plan(tokens)
+        plan = self._plan(tokens, images)
         marks["planned"] = time.time()
         lookup = None
         if self.engram is not None:  # start fetching the rows now: they arrive while layer 0 runs
             import torch
 
-            lookup = self.engram.start(self.hasher.hash_ids(torch.tensor([tokens]))[0][0])
+            ids = torch.tensor([tokens])
+            text = None if self.image_token_id is None else ids != self.image_token_id  # no n-gram across an image
+            lookup = self.engram.start(self.hasher.hash_ids(ids, token_mask=text)[0][0])
         # Where the cache is, best first (both pools' replicas there are preferred), or the
         # least loaded node when the cache's is busier than the slack allows.
         nodes = self.load.prefer(list(plan.nodes)) if self.load is not None else list(plan.nodes)
@@ -316,7 +356,7 @@ class Router:
         if self.load is not None:
             self.load.started(marks["node"])
         samples = request.samples()
-        if request.n == 1 and plan.cached_chunks == 0 and plan.windows == () and \
+        if request.n == 1 and plan.cached_chunks == 0 and plan.windows == () and not images and \
                 len(tokens) <= self.config.local_prefill_tokens:
             # Nothing stored and a short prompt: the decoder encodes it itself, sparing
             # two hops and a handoff (its batch waits about one step for it).
@@ -331,6 +371,8 @@ class Router:
         handoff = self.prefill.prefill.remote(plan, preferred_nodes=nodes, engram=lookup)
 
         def without_the_pool(params, sample_id):  # the prefill pool failed: the decoder encodes the prompt
+            if images:  # (not one with images: the vision tower is the prefill pool's)
+                return None
             return lambda: self.decoder_direct.prefill_and_generate.remote(plan, params, sample_id)
 
         ids = [rid] if request.n == 1 else [f"{rid}-{i}" for i in range(request.n)]
@@ -431,8 +473,12 @@ class Router:
             # A big body is parsed off the event loop, so other clients' tokens keep flowing.
             data = api.parse_json(body) if len(body) < 65536 else await asyncio.to_thread(api.parse_json, body)
             if chat:
-                parsed = api.parse_chat(data, self.config.model_name, self.config.max_tokens_default,
-                                        self.model_config.text.vocab_size)
+                parse = functools.partial(api.parse_chat, data, self.config.model_name, self.config.max_tokens_default,
+                                          self.model_config.text.vocab_size,
+                                          self._read_image if self.vision is not None else None,
+                                          self.config.max_images_per_request)
+                # Images are decoded while parsing: a big body is parsed off the event loop.
+                parsed = parse() if len(body) < 65536 else await asyncio.to_thread(parse)
             else:
                 parsed = api.parse_completion(data, self.config.model_name, self.config.max_tokens_default,
                                               self.model_config.text.vocab_size)

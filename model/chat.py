@@ -52,8 +52,11 @@ in every turn, as the released encoder does whenever tools are given. ``develope
 messages are system messages (OpenAI's newer name for them; the released encoder has
 no such role).
 
-Not implemented: the internal task tokens, and image parts (``Tokenizer.special.image``
-is exposed for the vision processor). ``<｜System｜>`` is used only when the tokenizer has it
+Images: a user turn's :class:`ImagePart` is rendered in place as as many image tokens
+(``<｜deepseek_image｜>``) as the image's span takes, as the released processor expands
+each image placeholder; the engine puts the span's embeddings there.
+
+Not implemented: the internal task tokens. ``<｜System｜>`` is used only when the tokenizer has it
 as one token; otherwise the system block follows the BOS unmarked (V3 layout)
 and mid-conversation system messages are rejected.
 """
@@ -271,6 +274,14 @@ class IncrementalDetokenizer:
 
 
 @dataclass(frozen=True)
+class ImagePart:
+    """An image inside a user turn: rendered as ``length`` image tokens (the positions
+    its span takes: :func:`model.vision.num_image_tokens` of its plan)."""
+
+    length: int
+
+
+@dataclass(frozen=True)
 class Message:
     """One turn of a conversation.
 
@@ -285,6 +296,8 @@ class Message:
         generation prompt, verbatim (with thinking on they include ``</think>``).
         When given they are rendered instead of ``reasoning``/``content``, which
         then serve display only. An end-of-sentence id is appended if missing.
+    parts: user only, optional: the turn's texts and images (:class:`ImagePart`) in
+        order; ``content`` is then its texts joined (display only).
     """
 
     role: str
@@ -293,8 +306,15 @@ class Message:
     token_ids: tuple[int, ...] | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    parts: tuple[str | ImagePart, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.parts:
+            if self.role != "user":
+                raise ChatFormatError(f"only user turns carry images, not {self.role!r}")
+            parts = _joined(self.parts)
+            object.__setattr__(self, "parts", parts)
+            object.__setattr__(self, "content", "".join(p for p in parts if isinstance(p, str)))
         if self.role not in ROLES:
             raise ChatFormatError(f"unknown role {self.role!r}; expected one of {', '.join(ROLES)}")
         if not isinstance(self.content, str):
@@ -450,7 +470,8 @@ class ChatTemplate:
                 yield message.content
             elif role == "user":
                 yield sp.user
-                yield message.content
+                for part in message.parts or (message.content,):
+                    yield (sp.image,) * part.length if isinstance(part, ImagePart) else part
             else:
                 yield from self._assistant(message)
             next_is_assistant = index + 1 < len(turns) and turns[index + 1][0] == "assistant"
@@ -516,16 +537,38 @@ def _merge_user_turns(messages: Sequence[Message]) -> list[tuple[str, Message]]:
     turns: list[tuple[str, Message]] = []
     for message in _results_in_call_order(messages):
         if message.role in ("user", "tool"):
-            text = _TOOL_RESULT.format(content=message.content) if message.role == "tool" else message.content
-            if turns and turns[-1][0] == "user":
-                text = turns[-1][1].content + _PART_SEPARATOR + text
-                turns[-1] = ("user", Message("user", text))
+            if message.role == "tool":
+                parts: tuple[str | ImagePart, ...] = (_TOOL_RESULT.format(content=message.content),)
             else:
-                turns.append(("user", Message("user", text)))
+                parts = message.parts or (message.content,)
+            if turns and turns[-1][0] == "user":
+                parts = (*(turns[-1][1].parts or (turns[-1][1].content,)), _PART_SEPARATOR, *parts)
+            merged = Message("user", parts=parts) if any(isinstance(p, ImagePart) for p in parts) \
+                else Message("user", "".join(parts))
+            if turns and turns[-1][0] == "user":
+                turns[-1] = ("user", merged)
+            else:
+                turns.append(("user", merged))
         else:
             role = "system" if message.role == "developer" else message.role
             turns.append((role, message))
     return turns
+
+
+def _joined(parts: Sequence[str | ImagePart]) -> tuple[str | ImagePart, ...]:
+    """Adjacent texts as one (each text is tokenised as a whole), empty texts dropped."""
+    out: list[str | ImagePart] = []
+    for part in parts:
+        if isinstance(part, str):
+            if not part:
+                continue
+            if out and isinstance(out[-1], str):
+                out[-1] += part
+                continue
+        elif not (isinstance(part, ImagePart) and part.length > 0):
+            raise ChatFormatError(f"a user turn's parts are texts and images, got {part!r}")
+        out.append(part)
+    return tuple(out)
 
 
 def _results_in_call_order(messages: Sequence[Message]) -> list[Message]:

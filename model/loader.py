@@ -192,14 +192,15 @@ _PART_PREFIXES = {"drafter": ("mtp.",), "vision": ("vision.", "aligner.", "image
 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", keep_stored: bool = False,
-                    shard: ExpertShard | None = None) -> Checkpoint:
+                    shard: ExpertShard | None = None, vision: bool = True) -> Checkpoint:
     """Build every part of the checkpoint from ``config.json`` and load its weights.
 
     The drafter and the vision tower are loaded when the checkpoint has their tensors
     (a checkpoint with none of a part's tensors loads without that part). With
     ``keep_stored`` the quantised bytes are kept for an exact re-save. With ``shard``
     (the lead worker of an expert-parallel replica) every MoE layer keeps only the
-    shard's routed experts, and the others' tensors are not read.
+    shard's routed experts, and the others' tensors are not read. Without ``vision``
+    the vision tower's tensors are not read either (a decoder replica holds none).
     """
     directory = Path(directory)
     config = ModelConfig.load(directory)
@@ -211,6 +212,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", k
             block.ffn.experts = _expert_table(block.ffn.experts, shard.experts)
     names = [_module_name(name) for name in tensor_names(directory)]
     present = {part: any(n.startswith(prefixes) for n in names) for part, prefixes in _PART_PREFIXES.items()}
+    present["vision"] = present["vision"] and vision
     parts = {
         name: module.to_empty(device="cpu")
         for name, module in (("backbone", meta.backbone), ("drafter", meta.drafter), ("vision", meta.vision))
@@ -218,7 +220,12 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", k
     }
     for module in parts.values():  # rotary tables are buffers no checkpoint stores
         module.apply(_rebuild_rotary)
-    stored = load_state(directory, list(parts.values()), weight_block(config), None if shard is None else shard.holds)
+    def keep(name: str) -> bool:
+        if not present["vision"] and name.startswith(_PART_PREFIXES["vision"]):
+            return False
+        return shard is None or shard.holds(name)
+
+    stored = load_state(directory, list(parts.values()), weight_block(config), keep)
     return Checkpoint(config, **{name: module.to(device).eval() for name, module in parts.items()},
                       stored=stored if keep_stored else {})
 

@@ -162,6 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for pool in ("decoder", "prefill"):
         parser.add_argument(f"--{pool}-experts", type=int, default=None, metavar="N",
                             help=f"split each {pool} replica over N workers sharing the routed experts (default 1)")
+    parser.add_argument("--image-dir", type=Path, default=None,
+                        help="allow file:// image URLs naming files under this directory (default: data URLs only)")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help=f"require the bearer token in this file (or export {API_KEY_ENV})")
     parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default=None,
@@ -224,6 +226,8 @@ def app_arguments(args: argparse.Namespace) -> dict:
         experts = getattr(args, f"{pool}_experts")
         if experts is not None:
             app_args[f"{pool}_parallel"] = {**app_args.get(f"{pool}_parallel", {}), "experts": experts}
+    if args.image_dir is not None:
+        app_args["image_dir"] = str(args.image_dir.resolve())
     if args.api_key_file is not None:
         app_args.pop("api_key", None)
         app_args["api_key_file"] = str(args.api_key_file.resolve())

@@ -231,6 +231,16 @@ class Engine:
         return DecoderInput(positions, torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), ids,
                             None if hash_ids is None else hash_ids[0])
 
+    def ngram_context(self, token_ids: list[int]) -> NgramContext | None:
+        """The n-gram context after ``token_ids`` (a cache loaded from the store goes on
+        hashing from it); None without Engram."""
+        if self.hasher is None:
+            return None
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.model.embed.weight.device)
+        image_mask = self._image_mask(ids)
+        _, context = self.hasher.hash_ids(ids[None], token_mask=None if image_mask is None else ~image_mask[None])
+        return context
+
     def _image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
         """True at image positions of ``ids`` [n]; None when there are none."""
         if self.image_token_id is None:
