@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import formats
-from .config import ModelConfig
+from .config import ModelConfig, VisionConfig
 from .parallel import ExpertShard
 from .transformer import Transformer
 
@@ -260,6 +260,32 @@ def load_experts(directory: str | Path, shard: ExpertShard, layers: range | None
     load_state(directory, [holder], weight_block(config),
                lambda name: shard.holds(name) and name.startswith(tuple(names)) and ".ffn.experts." in name)
     return {layer: holder.layers[str(layer)].ffn.experts.to(device).eval() for layer in layers}
+
+
+def add_vision_tower(source: str | Path, out: str | Path, vision: VisionConfig, seed: int = 0,
+                     std: float = 0.1) -> Path:
+    """A copy of the checkpoint at ``source`` that reads images: its parts and files, a
+    vision tower of ``vision`` with seeded random weights (``std``), and the tokenizer's
+    ``<｜deepseek_image｜>`` as the image token. Weights are written unquantised."""
+    import shutil
+
+    from .chat import IMAGE_TOKEN, Tokenizer
+    from .transformer import init_module
+    from .vision import VisionTower
+
+    source, out = Path(source), Path(out)
+    checkpoint = load_checkpoint(source, keep_stored=True)
+    image_token_id = Tokenizer.from_dir(source).token_id(IMAGE_TOKEN)
+    if image_token_id is None:
+        raise CheckpointError(f"the tokenizer of {source} has no {IMAGE_TOKEN} token")
+    config = replace(checkpoint.config, vision=vision, image_token_id=image_token_id)
+    tower = init_module(VisionTower(vision, config.text), seed, std).eval()
+    save_checkpoint(out, replace(checkpoint, config=config, vision=tower), quantize=False)
+    for path in source.iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") \
+                and not path.name.endswith(".index.json"):
+            shutil.copy(path, out / path.name)
+    return out
 
 
 def tensor_names(directory: Path) -> list[str]:

@@ -3,8 +3,6 @@ small vision tower of seeded random weights, saved in the released layout."""
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
 from pathlib import Path
 
 GOLDEN = Path(__file__).parent / "golden" / "A"
@@ -18,17 +16,6 @@ VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "n
 def vision_checkpoint(directory: Path) -> Path:
     """Write the checkpoint into ``directory`` (created) and return it."""
     from model.config import VisionConfig
-    from model.loader import load_checkpoint, save_checkpoint
-    from model.transformer import init_module
-    from model.vision import VisionTower
+    from model.loader import add_vision_tower
 
-    checkpoint = load_checkpoint(GOLDEN)
-    vision = VisionConfig(**VISION)
-    image_token_id = 7  # <｜deepseek_image｜> in the golden tokenizer
-    config = dataclasses.replace(checkpoint.config, vision=vision, image_token_id=image_token_id)
-    tower = init_module(VisionTower(vision, config.text), seed=11, std=0.1).eval()
-    save_checkpoint(directory, dataclasses.replace(checkpoint, config=config, vision=tower), quantize=False)
-    for path in GOLDEN.iterdir():
-        if path.suffix == ".json" and path.name != "config.json":
-            shutil.copy(path, directory / path.name)
-    return directory
+    return add_vision_tower(GOLDEN, directory, VisionConfig(**VISION), seed=11, std=0.1)

@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "load": ("cluster.bench.load", "many streaming clients in a closed loop: answered, failed, queue wait, TTFT"),
     "grammar": ("cluster.bench.grammar", "constrained decoding's cost per decode step at batch 16, plain and DSpark"),
     "experts": ("cluster.bench.experts", "one replica split over worker processes sharing the experts, against one process"),
+    "vision": ("cluster.bench.vision", "an image's cost in the prefill pool (decode, preprocess, tower), returning turn TTFT"),
     "tools": ("cluster.bench.tools", "tool calling on held-out conversations: well-formed, right function, free and constrained"),
 }
 
