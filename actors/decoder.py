@@ -222,7 +222,10 @@ class DecoderPool:
                 return handoff, self.service.admit(request_id, handoff, params, prefix)
             except PrefixUnavailable:
                 # The stored prefix the prefill loaded went away before it could be read
-                # here (a store restarted, or evicted it): encode the prompt here instead.
+                # here (a store restarted, or evicted it): encode the prompt here instead
+                # (not one with images: the vision tower is the prefill pool's).
+                if handoff.media:
+                    raise
                 plan = CachePlan(handoff.token_ids, 0, chunk_keys=handoff.chunk_keys)
                 again = prefilled(self.prefiller.prefill(plan, in_process=True), time.time(), "decoder",
                                   self.prefill_metrics)

@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("cluster.bench", "side-by-side measurements, printed as a table"),
     "train-small": ("cluster.commands.train_small", "train the shipped small checkpoint (progress bar, resumable)"),
     "train-tools": ("cluster.commands.train_tools", "fine-tune a checkpoint to call tools (synthetic set, corpus replay)"),
+    "train-vision": ("cluster.commands.train_vision", "trains a vision tower on a frozen checkpoint to read code from images"),
     "train-drafter": ("cluster.commands.train_drafter", "train a checkpoint's DSpark drafter on its frozen backbone, calibrate it"),
 }
 

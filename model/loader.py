@@ -314,8 +314,9 @@ def save_checkpoint(directory: str | Path, checkpoint: Checkpoint, quantize: boo
     """Write ``config.json`` and ``model.safetensors`` in the released layout and names.
 
     With ``quantize``, 2-D projection matrices become FP8 with UE8M0 scales per 32x32
-    tile, routed experts FP4 with UE8M0 per 32, Engram rows FP8 with UE8M0 per 32;
-    embeddings, head, routers, norms, mHC parameters, sinks and biases stay fp32.
+    tile, routed experts FP4 with UE8M0 per 32, Engram rows FP8 with UE8M0 per 32, the
+    vision tower BF16; embeddings, head, routers, norms, mHC parameters, sinks and
+    biases stay fp32.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -335,6 +336,8 @@ def save_checkpoint(directory: str | Path, checkpoint: Checkpoint, quantize: boo
                 stem = full[: -len(".weight")]
                 data, scale = _stored_bytes(name, tensor, checkpoint.stored.get(name), block) or _quantise(name, tensor, block)
                 tensors[full], tensors[stem + ".scale"] = data.contiguous(), scale.contiguous()
+            elif quantize and name.startswith(_PART_PREFIXES["vision"]):
+                tensors[full] = tensor.to(torch.bfloat16)  # the release keeps the vision tower in BF16
             else:
                 tensors[full] = tensor
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})

@@ -377,8 +377,12 @@ class VisionTower(nn.Module):
         body = torch.cat((rows, newline), dim=1).flatten(0, 1)
         return torch.cat((self.image_start.to(rows.dtype)[None], body, self.image_end.to(rows.dtype)[None]))
 
+    def span_of(self, patches: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:
+        """:meth:`forward` with gradients (training)."""
+        llm_h, llm_w = self.grid(vit_h, vit_w)
+        return self.span(self.aligner(self.vision(patches, vit_h, vit_w), vit_h, vit_w).float(), llm_h, llm_w)
+
     @torch.no_grad()
     def forward(self, patches: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:
         """Patches of one image -> the embeddings of its whole span in the text stream (fp32)."""
-        llm_h, llm_w = self.grid(vit_h, vit_w)
-        return self.span(self.encode(patches, vit_h, vit_w), llm_h, llm_w)
+        return self.span_of(patches, vit_h, vit_w)

@@ -26,6 +26,21 @@ def running_app(tmp_path: Path, address: str | None = None, port: int | None = N
         time.sleep(0.5)
 
 
+def one_process_greedy(directory: Path, prompt: list[int], n: int) -> str:
+    """The text of a request's ``n`` greedy tokens computed in this process, as a cold
+    turn is served without speculation (prefill, bounded replay, decode)."""
+    from model.loader import load_hasher, load_model, load_tokenizer
+    from model.runtime.engine import Engine
+
+    config, model = load_model(directory)
+    engine = Engine(model, load_hasher(directory, config))
+    cache = engine.new_cache()
+    tokens = [int(engine.replay(cache, engine.prefill(cache, prompt)).argmax())]
+    while len(tokens) < n:
+        tokens.append(int(engine.decode([(cache, [tokens[-1]])])[0][-1].argmax()))
+    return load_tokenizer(directory).decode(tokens)
+
+
 def wait_until(condition, timeout: float = 60.0, what: str = "the condition") -> None:
     """Poll ``condition()`` until it holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

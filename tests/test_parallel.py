@@ -144,19 +144,6 @@ def test_a_lost_worker_fails_the_step_and_every_later_one(golden_hasher):
 
 
 
-def _greedy_one_process(prompt: list[int], n: int) -> str:
-    """The request in one process, as a cold turn is served (prefill, bounded replay)."""
-    from model.loader import load_hasher, load_model, load_tokenizer
-
-    config, model = load_model(GOLDEN)
-    engine = Engine(model, load_hasher(GOLDEN, config))
-    cache = engine.new_cache()
-    tokens = [int(engine.replay(cache, engine.prefill(cache, prompt)).argmax())]
-    while len(tokens) < n:
-        tokens.append(int(engine.decode([(cache, [tokens[-1]])])[0][-1].argmax()))
-    return load_tokenizer(GOLDEN).decode(tokens)
-
-
 @pytest.mark.slow
 def test_split_server_answers_as_one_process_and_comes_back_after_a_lost_worker(tmp_path):
     import openai
@@ -164,10 +151,10 @@ def test_split_server_answers_as_one_process_and_comes_back_after_a_lost_worker(
     from ray.util import list_named_actors
 
     from actors.expert_workers import WORKER_PREFIX
-    from tests.serve_harness import replica_actor_name, running_app, wait_until
+    from tests.serve_harness import one_process_greedy, replica_actor_name, running_app, wait_until
 
     prompts = [list(range(300, 500)), list(range(600, 800)), list(range(900, 1100))]  # past local_prefill_tokens
-    expected = [_greedy_one_process(p, 12) for p in prompts]
+    expected = [one_process_greedy(GOLDEN, p, 12) for p in prompts]
     with running_app(tmp_path, decoder_parallel={"experts": 2}, prefill_parallel={"experts": 2}) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 

@@ -16,24 +16,11 @@ from pathlib import Path
 import pytest
 
 from storage.redis_server import free_port
+from tests.serve_harness import one_process_greedy
 
 pytestmark = pytest.mark.slow
 
 SMALL = Path(__file__).resolve().parent.parent / "configs" / "small"
-
-
-def _plain_greedy(prompt: list[int], n: int) -> str:
-    """The same request in-process, without speculation (bounded replay, as served)."""
-    from model.runtime.engine import Engine
-    from model.loader import load_hasher, load_model, load_tokenizer
-
-    config, model = load_model(SMALL)
-    engine = Engine(model, load_hasher(SMALL, config))
-    cache = engine.new_cache()
-    tokens = [int(engine.replay(cache, engine.prefill(cache, prompt)).argmax())]
-    while len(tokens) < n:
-        tokens.append(int(engine.decode([(cache, [tokens[-1]])])[0][-1].argmax()))
-    return load_tokenizer(SMALL).decode(tokens)
 
 
 @contextlib.contextmanager
@@ -66,7 +53,7 @@ def test_serve_command_starts_serves_and_stops_everything(tmp_path):
         with urllib.request.urlopen(request, timeout=120) as response:
             answer = json.loads(response.read())
         assert answer["usage"]["completion_tokens"] == 24
-        assert answer["choices"][0]["text"] == _plain_greedy(prompt, 24)
+        assert answer["choices"][0]["text"] == one_process_greedy(SMALL, prompt, 24)
     # Started again at once on the same port (the old connections' sockets linger on it).
     with _serving(port, tmp_path, "--speculation", "off"):
         with urllib.request.urlopen(request, timeout=120) as response:

@@ -145,11 +145,15 @@ class _Forward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, engram_ids, replay: ReplayStarts, quantize: bool, quantize_rows: bool) -> TrainOutput:
+    def forward(self, input_ids, engram_ids, replay: ReplayStarts, quantize: bool, quantize_rows: bool,
+                image_mask=None, image_embeds=None) -> TrainOutput:
         model = self.model
         batch, length = input_ids.shape
         device = input_ids.device
-        streams, pre = model.embed_streams(input_ids)
+        x = model.embed(input_ids)
+        if image_embeds is not None:
+            x = x.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(x.dtype))
+        streams, pre = model.streams_of(x)
         positions = torch.arange(length, device=device).expand(batch, length)
         rows = {}
         for block in model.layers:
@@ -168,7 +172,7 @@ class _Forward(nn.Module):
                     kls[block.plan.index] = float(kl.detach())
                 return out
 
-            streams, pre = block(streams, pre, attend, rows.get(block.plan.index))
+            streams, pre = block(streams, pre, attend, rows.get(block.plan.index), image_mask)
         logits = model.head(streams, pre)
         indexer_loss = torch.stack(losses).sum() if losses else logits.new_zeros(())
         return TrainOutput(logits, indexer_loss, kls)
@@ -263,12 +267,16 @@ def train_forward(
     replay: ReplayStarts | None = None,
     quantize: bool = True,
     quantize_weights: bool | None = None,
+    image_mask: torch.Tensor | None = None,
+    image_embeds: torch.Tensor | None = None,
 ) -> TrainOutput:
     """The differentiable full-sequence forward (values = the reference forward of the
     quantised checkpoint when ``quantize`` and no replay). Also counts expert loads.
 
     ``quantize`` rounds the caches and (unless ``quantize_weights`` is False) the
-    weights and Engram rows as the released format stores them, straight-through."""
+    weights and Engram rows as the released format stores them, straight-through.
+    ``image_mask`` [B, S] and ``image_embeds`` [n, D] as in :meth:`Transformer.forward`
+    (gradients reach the embeddings: the vision tower trains through the backbone)."""
     batch, length = input_ids.shape
     if replay is None:
         replay = ReplayStarts.none(batch, length, input_ids.device)
@@ -289,7 +297,7 @@ def train_forward(
             loads[index] = torch.bincount(output[1].flatten(), minlength=module.weight.shape[0])
         hooks.append(block.ffn.gate.register_forward_hook(hook))
     try:
-        args = (input_ids, engram_ids, replay, quantize, quantize_weights)
+        args = (input_ids, engram_ids, replay, quantize, quantize_weights, image_mask, image_embeds)
         out = torch.func.functional_call(wrapper, overrides, args, strict=False)
     finally:
         for h in hooks:

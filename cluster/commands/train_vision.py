@@ -1,0 +1,261 @@
+"""`v41 train-vision [--checkpoint DIR] [--out DIR] [--minutes M]`: teach a text checkpoint
+to read code from images.
+
+A vision tower (ViT, 3 x 3 merge, aligner, span markers; the released architecture at a
+small size) is trained on a frozen text backbone: each example is an image of a few
+lines of the backbone's own training corpus (the Python standard library), drawn in
+one of three DejaVu Sans Mono faces (regular, bold, oblique; the ones matplotlib ships)
+at 16 to 24 pixels, and the chat turn ``<image>\\nTranscribe the code in the image.``
+whose answer is the lines' text. The loss is the answer's next-token cross entropy;
+its gradient reaches the tower through the whole backbone (the backbone's weights and
+caches rounded as served, straight-through). The result is the source checkpoint
+plus the tower (its other files copied), in ``--out``.
+
+``evaluate`` greedy-transcribes held-out snippets (files the backbone never trained
+on) with the engine, image in the prompt, against the same prompt without the image
+(the text-only baseline): character accuracy ``1 - edit distance / length``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+PROMPT = "\nTranscribe the code in the image."
+VISION = {"hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "max_image_tokens": 256, "min_pixels": 84 * 84}
+FACES = ("DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"), help="the text checkpoint")
+    parser.add_argument("--out", type=Path, default=Path(".v41/vision"), help="where the checkpoint is written")
+    parser.add_argument("--minutes", type=float, default=45.0, help="training time")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval", type=int, default=100, help="held-out snippets evaluated at the end")
+
+
+# ---------------------------------------------------------------------- data
+def font_paths() -> list[Path]:
+    import matplotlib
+
+    root = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+    return [root / face for face in FACES]
+
+
+def snippets(texts: list[str], max_chars: int = 40) -> list[str]:
+    """Every run of 1-3 consecutive non-blank lines of at most ``max_chars`` characters
+    (tabs expanded, right-stripped) in ``texts``: one list, deterministic."""
+    out = []
+    for text in texts:
+        lines = [line.expandtabs(4).rstrip() for line in text.splitlines()]
+        for start in range(0, len(lines), 3):
+            for length in (1, 2, 3):
+                chunk = lines[start:start + length]
+                if len(chunk) == length and all(0 < len(line) <= max_chars and line.isascii() for line in chunk):
+                    out.append("\n".join(chunk))
+    return out
+
+
+def render(text: str, font: Path, size: int, margin: int):
+    """``text`` drawn black on white: [3, H, W] uint8."""
+    import numpy as np
+    import torch
+    from PIL import Image, ImageDraw, ImageFont
+
+    face = ImageFont.truetype(str(font), size)
+    left, top, right, bottom = ImageDraw.Draw(Image.new("RGB", (1, 1))).multiline_textbbox(
+        (0, 0), text, font=face, spacing=size // 4)
+    image = Image.new("RGB", (right + 2 * margin, bottom + 2 * margin), "white")
+    ImageDraw.Draw(image).multiline_text((margin, margin), text, fill="black", font=face, spacing=size // 4)
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+
+
+def draw(text: str, generator) -> "torch.Tensor":
+    import torch
+
+    fonts = font_paths()
+    face = fonts[int(torch.randint(len(fonts), (1,), generator=generator))]
+    size = int(torch.randint(16, 25, (1,), generator=generator))
+    margin = int(torch.randint(4, 13, (1,), generator=generator))
+    return render(text, face, size, margin)
+
+
+class Example:
+    """One turn: the prompt with the image's span, the answer's ids, the image."""
+
+    def __init__(self, template, vision_config, text: str, pixels):
+        from model.chat import ImagePart, Message
+        from model.vision import preprocess_image
+
+        self.text, self.pixels = text, pixels
+        self.patches, self.plan = preprocess_image(pixels, vision_config)
+        tokenizer = template.tokenizer
+        self.prompt = template.render([Message("user", parts=(ImagePart(self.plan.num_tokens), PROMPT))])
+        self.answer = tokenizer.encode(text) + [tokenizer.special.eos]
+
+
+# ---------------------------------------------------------------------- training
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from cluster.commands.train_small import load_corpus
+    from model.chat import ChatTemplate, Tokenizer
+    from model.config import VisionConfig
+    from model.loader import load_checkpoint, load_hasher
+    from model.transformer import init_module
+    from model.vision import VisionTower
+
+    torch.manual_seed(args.seed)
+    checkpoint = load_checkpoint(args.checkpoint, keep_stored=True)
+    backbone, text = checkpoint.backbone, checkpoint.config.text
+    backbone.requires_grad_(False)
+    vision = VisionConfig(**VISION)
+    tower = init_module(VisionTower(vision, text), seed=args.seed, std=0.02).train()
+    tokenizer = Tokenizer.from_dir(args.checkpoint)
+    template = ChatTemplate(tokenizer)
+    hasher = load_hasher(args.checkpoint, checkpoint.config)
+    image_id = tokenizer.special.image
+    corpus = load_corpus()
+    train = snippets(corpus.train)
+    print(f"{len(train)} training snippets; tower {sum(p.numel() for p in tower.parameters()):,} parameters",
+          file=sys.stderr)
+    optimizer = torch.optim.AdamW(tower.parameters(), lr=args.lr, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(args.seed)
+    budget, started, step, log = args.minutes * 60, time.monotonic(), 0, []
+    while time.monotonic() - started < budget:
+        progress = (time.monotonic() - started) / budget
+        factor = min(1.0, progress / 0.03) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr * factor
+        picks = torch.randint(len(train), (args.batch,), generator=generator).tolist()
+        examples = [Example(template, vision, train[i], draw(train[i], generator)) for i in picks]
+        loss = _loss(backbone, tower, hasher, examples, image_id, tokenizer.special.pad, F)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(tower.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        log.append(round(loss.item(), 4))
+        if step % 20 == 0:
+            elapsed = time.monotonic() - started
+            print(f"\rstep {step}  loss {sum(log[-20:]) / 20:.3f}  {elapsed / 60:.1f}/{args.minutes:g} min",
+                  end="", file=sys.stderr)
+    print(file=sys.stderr)
+    tower.eval()
+    out = save(checkpoint, tower, vision, image_id, args.checkpoint, args.out)
+    (out / "vision_training.json").write_text(json.dumps({
+        "steps": step, "minutes": args.minutes, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "vision_config": asdict(vision), "prompt": PROMPT, "faces": FACES, "font_sizes": [16, 24],
+        "training_snippets": len(train), "loss_every_20": [round(sum(log[i:i + 20]) / len(log[i:i + 20]), 4)
+                                                           for i in range(0, len(log), 20)]}, indent=1) + "\n")
+    result = evaluate(out, args.eval)
+    (out / "vision_eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "examples"}))
+    return 0
+
+
+def _loss(backbone, tower, hasher, examples: list[Example], image_id: int, pad_id: int, F):
+    import torch
+
+    from model.training import train_forward
+
+    rows = [e.prompt + e.answer for e in examples]
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    target = torch.zeros_like(ids, dtype=torch.bool)
+    for b, (row, example) in enumerate(zip(rows, examples)):
+        ids[b, :len(row)] = torch.tensor(row)
+        target[b, len(example.prompt):len(row)] = True
+    mask = ids == image_id
+    embeds = torch.cat([tower.span_of(e.patches, e.plan.vit_h, e.plan.vit_w) for e in examples])
+    engram_ids = hasher.hash_ids(ids, token_mask=~mask)[0] if hasher is not None else None
+    out = train_forward(backbone, ids, engram_ids, quantize=True, image_mask=mask, image_embeds=embeds)
+    logits = out.logits[:, :-1]
+    labels = ids[:, 1:]
+    keep = target[:, 1:]
+    return F.cross_entropy(logits[keep].float(), labels[keep])
+
+
+def save(checkpoint, tower, vision, image_id: int, source: Path, out: Path) -> Path:
+    """The source checkpoint (its stored bytes unchanged) plus the tower, and its other files."""
+    from model.loader import save_checkpoint
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = replace(checkpoint.config, vision=vision, image_token_id=image_id)
+    save_checkpoint(out, replace(checkpoint, config=config, vision=tower))
+    for path in Path(source).iterdir():
+        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") \
+                and (out / path.name).resolve() != path.resolve():
+            shutil.copy(path, out / path.name)
+    return out
+
+
+# ---------------------------------------------------------------------- evaluation
+def edit_distance(a: str, b: str) -> int:
+    previous = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        current = [i]
+        for j, y in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (x != y)))
+        previous = current
+    return previous[-1]
+
+
+def char_accuracy(predicted: str, truth: str) -> float:
+    return max(0.0, 1.0 - edit_distance(predicted, truth) / max(1, len(truth)))
+
+
+def evaluate(directory: Path, n: int = 100, seed: int = 1234, max_tokens: int = 64) -> dict:
+    """Greedy transcriptions of ``n`` held-out snippets, with the image and without it."""
+    import torch
+
+    from actors.prefill import ImageEncoder
+    from actors.state import PromptImage
+    from cluster.commands.train_small import load_corpus
+    from cluster.images import pixel_digest
+    from model.chat import ChatTemplate, Message, Tokenizer
+    from model.loader import load_checkpoint, load_hasher
+    from model.runtime.engine import Engine
+
+    checkpoint = load_checkpoint(directory)
+    tokenizer = Tokenizer.from_dir(directory)
+    template = ChatTemplate(tokenizer)
+    image_id = checkpoint.config.image_token_id
+    engine = Engine(checkpoint.backbone, load_hasher(directory, checkpoint.config), image_token_id=image_id)
+    encoder = ImageEncoder(checkpoint.vision, checkpoint.config.vision)
+    held = snippets(load_corpus().held_out)
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randperm(len(held), generator=generator)[:n].tolist()
+
+    def greedy(prompt: list[int], spans) -> str:
+        cache = engine.new_cache()
+        out = [int(engine.replay(cache, engine.prefill(cache, prompt, images=spans)).argmax())]
+        while out[-1] != tokenizer.special.eos and len(out) < max_tokens:
+            out.append(int(engine.decode([(cache, [out[-1]])])[0][-1].argmax()))
+        return tokenizer.decode([t for t in out if t != tokenizer.special.eos])
+
+    rows = []
+    for index in picks:
+        text = held[index]
+        example = Example(template, checkpoint.config.vision, text, draw(text, generator))
+        start = example.prompt.index(image_id)
+        image = PromptImage(start, example.plan.num_tokens, example.pixels, pixel_digest(example.pixels))
+        read = greedy(example.prompt, encoder.spans((image,)))
+        blind = greedy(template.render([Message("user", PROMPT.strip())]), [])
+        rows.append({"truth": text, "read": read, "text_only": blind,
+                     "accuracy": char_accuracy(read, text), "text_only_accuracy": char_accuracy(blind, text)})
+    return {"snippets": len(rows), "held_out_pool": len(held),
+            "char_accuracy": round(sum(r["accuracy"] for r in rows) / len(rows), 4),
+            "text_only_char_accuracy": round(sum(r["text_only_accuracy"] for r in rows) / len(rows), 4),
+            "exact": round(sum(r["read"] == r["truth"] for r in rows) / len(rows), 4),
+            "examples": rows[:12]}
