@@ -1,0 +1,58 @@
+"""`v41 train-vision`'s parts: the snippets and their images, the transcription score,
+and the tower learning through a frozen backbone (its gradient reaches only the tower)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cluster.commands.train_vision import Example, _loss, char_accuracy, edit_distance, font_paths, render, snippets
+from tests.vision_model import vision_checkpoint
+
+
+def test_snippets_are_short_runs_of_lines():
+    text = "def f(x):\n    return x + 1\n\n" + "y = '" + "z" * 50 + "'\nprint(y)\n"
+    found = snippets([text])
+    assert "def f(x):" in found and "def f(x):\n    return x + 1" in found
+    assert all(0 < len(line) <= 40 for snippet in found for line in snippet.split("\n"))
+    assert not any("zzz" in snippet for snippet in found)
+
+
+def test_rendered_text_is_dark_on_white_where_the_text_is():
+    pixels = render("x = 1\nyy = 22", font_paths()[0], 20, 8)
+    assert pixels.dtype == torch.uint8 and pixels.shape[0] == 3
+    assert bool((pixels[:, :8] == 255).all()) and bool((pixels[:, :, :8] == 255).all())  # the margins
+    assert int((pixels[0] < 100).sum()) > 50  # the glyphs
+    assert render("x = 1\nyy = 22", font_paths()[0], 20, 8).shape[1] > render("x = 1", font_paths()[0], 20, 8).shape[1]
+
+
+def test_the_transcription_score():
+    assert edit_distance("kitten", "sitting") == 3
+    assert char_accuracy("abd", "abc") == 1 - 1 / 3
+    assert char_accuracy("", "abc") == 0.0 and char_accuracy("a" * 10, "abc") == 0.0
+
+
+def test_the_tower_learns_through_the_frozen_backbone(tmp_path):
+    from model.chat import ChatTemplate, Tokenizer
+    from model.loader import load_checkpoint, load_hasher
+
+    directory = vision_checkpoint(tmp_path / "model")
+    checkpoint = load_checkpoint(directory)
+    backbone, tower = checkpoint.backbone, checkpoint.vision.train()
+    backbone.requires_grad_(False)
+    template = ChatTemplate(Tokenizer.from_dir(directory))
+    examples = [Example(template, checkpoint.config.vision, text, render(text, font_paths()[i], 18, 6))
+                for i, text in enumerate(["x = 1", "def f():\n    pass"])]
+    hasher = load_hasher(directory, checkpoint.config)
+    optimizer = torch.optim.AdamW(tower.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        loss = _loss(backbone, tower, hasher, examples, 7, template.tokenizer.special.pad, F)
+        optimizer.zero_grad()
+        loss.backward()
+        if not losses:
+            assert all(p.grad is None for p in backbone.parameters())
+            assert tower.aligner.w1.weight.grad.abs().sum() > 0 and tower.vision.patch_embed.proj.weight.grad.abs().sum() > 0
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
