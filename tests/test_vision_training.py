@@ -11,10 +11,11 @@ from tests.vision_model import vision_checkpoint
 
 
 def test_snippets_are_short_runs_of_lines():
-    text = "def f(x):\n    return x + 1\n\n" + "y = '" + "z" * 50 + "'\nprint(y)\n"
+    text = "def f(x):\n    return x + 1\n\n" + "y = '" + "z" * 40 + "'\nprint(y)\n"
     found = snippets([text])
     assert "def f(x):" in found and "def f(x):\n    return x + 1" in found
-    assert all(0 < len(line) <= 40 for snippet in found for line in snippet.split("\n"))
+    assert all(0 < len(line) <= 32 for snippet in found for line in snippet.split("\n"))
+    assert all(snippet.count("\n") <= 1 for snippet in found)
     assert not any("zzz" in snippet for snippet in found)
 
 

@@ -5,8 +5,12 @@ A vision tower (ViT, 3 x 3 merge, aligner, span markers; the released architectu
 small size) is trained on a frozen text backbone: each example is an image of a few
 lines of the backbone's own training corpus (the Python standard library), drawn in
 one of three DejaVu Sans Mono faces (regular, bold, oblique; the ones matplotlib ships)
-at 16 to 24 pixels, and the chat turn ``<image>\\nTranscribe the code in the image.``
-whose answer is the lines' text. The loss is the answer's next-token cross entropy;
+at 16 to 24 pixels, and the chat turn ``Transcribe the code in the image:\\n<image>``
+whose answer is the lines' text. Snippets are one or two lines of at most 32
+characters and the image comes last in the turn: the small backbone's attention window
+is 32 positions, so its first answer tokens see the whole image span (12 to 25
+positions) beside them; the frozen indexer was never taught to fetch image positions
+from further back. The loss is the answer's next-token cross entropy;
 its gradient reaches the tower through the whole backbone (the backbone's weights and
 caches rounded as served, straight-through). The result is the source checkpoint
 plus the tower (its other files copied), in ``--out``.
@@ -27,7 +31,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-PROMPT = "\nTranscribe the code in the image."
+PROMPT = "Transcribe the code in the image:\n"
 VISION = {"hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
           "max_image_tokens": 256, "min_pixels": 84 * 84}
 FACES = ("DejaVuSansMono.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSansMono-Oblique.ttf")
@@ -38,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path(".v41/vision"), help="where the checkpoint is written")
     parser.add_argument("--minutes", type=float, default=45.0, help="training time")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval", type=int, default=100, help="held-out snippets evaluated at the end")
 
@@ -51,14 +55,14 @@ def font_paths() -> list[Path]:
     return [root / face for face in FACES]
 
 
-def snippets(texts: list[str], max_chars: int = 40) -> list[str]:
-    """Every run of 1-3 consecutive non-blank lines of at most ``max_chars`` characters
+def snippets(texts: list[str], max_chars: int = 32) -> list[str]:
+    """Every run of 1 or 2 consecutive non-blank lines of at most ``max_chars`` characters
     (tabs expanded, right-stripped) in ``texts``: one list, deterministic."""
     out = []
     for text in texts:
         lines = [line.expandtabs(4).rstrip() for line in text.splitlines()]
-        for start in range(0, len(lines), 3):
-            for length in (1, 2, 3):
+        for start in range(0, len(lines), 2):
+            for length in (1, 2):
                 chunk = lines[start:start + length]
                 if len(chunk) == length and all(0 < len(line) <= max_chars and line.isascii() for line in chunk):
                     out.append("\n".join(chunk))
@@ -85,7 +89,7 @@ def draw(text: str, generator) -> "torch.Tensor":
     fonts = font_paths()
     face = fonts[int(torch.randint(len(fonts), (1,), generator=generator))]
     size = int(torch.randint(16, 25, (1,), generator=generator))
-    margin = int(torch.randint(4, 13, (1,), generator=generator))
+    margin = int(torch.randint(2, 7, (1,), generator=generator))
     return render(text, face, size, margin)
 
 
@@ -99,7 +103,7 @@ class Example:
         self.text, self.pixels = text, pixels
         self.patches, self.plan = preprocess_image(pixels, vision_config)
         tokenizer = template.tokenizer
-        self.prompt = template.render([Message("user", parts=(ImagePart(self.plan.num_tokens), PROMPT))])
+        self.prompt = template.render([Message("user", parts=(PROMPT, ImagePart(self.plan.num_tokens)))])
         self.answer = tokenizer.encode(text) + [tokenizer.special.eos]
 
 
