@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cluster.commands.train_vision import Example, _loss, char_accuracy, edit_distance, font_paths, render, snippets
+from cluster.commands.train_vision import (Example, _loss, char_accuracy, edit_distance, font_paths, patch_glyphs, render,
+                                          render_with_boxes, snippets)
 from tests.vision_model import vision_checkpoint
 
 
@@ -25,6 +26,25 @@ def test_rendered_text_is_dark_on_white_where_the_text_is():
     assert bool((pixels[:, :8] == 255).all()) and bool((pixels[:, :, :8] == 255).all())  # the margins
     assert int((pixels[0] < 100).sum()) > 50  # the glyphs
     assert render("x = 1\nyy = 22", font_paths()[0], 20, 8).shape[1] > render("x = 1", font_paths()[0], 20, 8).shape[1]
+
+
+def test_each_patch_is_labelled_with_the_glyph_it_mostly_shows():
+    from model.config import VisionConfig
+    from model.vision import plan_image
+
+    pixels, boxes = render_with_boxes("AB  C", font_paths()[0], 28, 0)  # no margin: the glyphs start at x = 0
+    assert [b[4] for b in boxes] == ["A", "B", "C"] and boxes[0][0] == 0
+    advance = boxes[1][0]  # monospaced: every glyph as wide
+    assert boxes[2][0] == 4 * advance
+    plan = plan_image(pixels.shape[1], pixels.shape[2], VisionConfig(min_pixels=1))
+    labels = patch_glyphs(boxes, plan, pixels.shape[1], pixels.shape[2]).view(plan.vit_h, plan.vit_w)
+    row = labels[plan.vit_h // 2].tolist()  # a patch row through the middle of the line
+    glyphs = [chr(32 + c) for c in row if c]
+    assert glyphs[0] == "A" and glyphs[-1] == "C" and set(glyphs) == {"A", "B", "C"}
+    assert row[0] == ord("A") - 32
+    last_b = max(i for i, c in enumerate(row) if c == ord("B") - 32)
+    first_c = row.index(ord("C") - 32)
+    assert 0 in row[last_b:first_c]  # the two spaces: at least one patch shows no glyph
 
 
 def test_the_transcription_score():

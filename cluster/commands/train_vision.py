@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--glyph-weight", type=float, default=0.5, help="weight of the auxiliary glyph loss")
     parser.add_argument("--eval", type=int, default=100, help="held-out snippets evaluated at the end")
 
 
@@ -71,37 +72,86 @@ def snippets(texts: list[str], max_chars: int = 32) -> list[str]:
 
 def render(text: str, font: Path, size: int, margin: int):
     """``text`` drawn black on white: [3, H, W] uint8."""
+    return render_with_boxes(text, font, size, margin)[0]
+
+
+def render_with_boxes(text: str, font: Path, size: int, margin: int):
+    """(``text`` drawn black on white [3, H, W] uint8, the box (x0, y0, x1, y1) and
+    character of every glyph that is not a space)."""
+    import math
+
     import numpy as np
     import torch
     from PIL import Image, ImageDraw, ImageFont
 
     face = ImageFont.truetype(str(font), size)
-    left, top, right, bottom = ImageDraw.Draw(Image.new("RGB", (1, 1))).multiline_textbbox(
-        (0, 0), text, font=face, spacing=size // 4)
-    image = Image.new("RGB", (right + 2 * margin, bottom + 2 * margin), "white")
-    ImageDraw.Draw(image).multiline_text((margin, margin), text, fill="black", font=face, spacing=size // 4)
-    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+    ascent, descent = face.getmetrics()
+    height, spacing = ascent + descent, size // 4
+    lines = text.split("\n")
+    width = max(face.getlength(line) for line in lines)
+    image = Image.new("RGB", (math.ceil(width) + 2 * margin, len(lines) * (height + spacing) - spacing + 2 * margin),
+                      "white")
+    pen = ImageDraw.Draw(image)
+    boxes = []
+    for row, line in enumerate(lines):
+        y = margin + row * (height + spacing)
+        pen.text((margin, y), line, fill="black", font=face)
+        for i, char in enumerate(line):
+            if char != " ":
+                boxes.append((margin + face.getlength(line[:i]), y, margin + face.getlength(line[:i + 1]), y + height,
+                              char))
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous(), boxes
 
 
-def draw(text: str, generator) -> "torch.Tensor":
+# The glyph each ViT patch mostly shows: printable ASCII (33..126) and 0 for none. An
+# auxiliary head reads it from the patch's features while the tower trains (then is
+# dropped): a direct signal that teaches the tower glyphs sooner than the language
+# model's loss alone, which stayed at ~3.0 nats for the first 520 steps without it.
+GLYPHS = 95
+
+
+def patch_glyphs(boxes, plan, source_height: int, source_width: int, patch: int = 14):
+    """[vit_h * vit_w] glyph classes (row-major) of a planned image's patches."""
+    import torch
+
+    labels = torch.zeros(plan.vit_h, plan.vit_w, dtype=torch.long)
+    best = torch.zeros(plan.vit_h, plan.vit_w)
+    sx, sy = plan.content_width / source_width, plan.content_height / source_height
+    for x0, y0, x1, y1, char in boxes:
+        left, right = plan.left + x0 * sx, plan.left + x1 * sx
+        top, bottom = plan.top + y0 * sy, plan.top + y1 * sy
+        for r in range(plan.vit_h):
+            if not top <= r * patch + patch / 2 < bottom:
+                continue
+            for c in range(max(0, int(left // patch)), min(plan.vit_w, int(right // patch) + 1)):
+                overlap = min(right, (c + 1) * patch) - max(left, c * patch)
+                if overlap > best[r, c]:
+                    best[r, c], labels[r, c] = overlap, ord(char) - 32
+    return labels.flatten()
+
+
+def draw(text: str, generator, boxes: bool = False):
+    """``text`` in a random face, size and margin: pixels (and glyph boxes)."""
     import torch
 
     fonts = font_paths()
     face = fonts[int(torch.randint(len(fonts), (1,), generator=generator))]
     size = int(torch.randint(16, 25, (1,), generator=generator))
     margin = int(torch.randint(2, 7, (1,), generator=generator))
-    return render(text, face, size, margin)
+    pixels, glyphs = render_with_boxes(text, face, size, margin)
+    return (pixels, glyphs) if boxes else pixels
 
 
 class Example:
     """One turn: the prompt with the image's span, the answer's ids, the image."""
 
-    def __init__(self, template, vision_config, text: str, pixels):
+    def __init__(self, template, vision_config, text: str, pixels, boxes=None):
         from model.chat import ImagePart, Message
         from model.vision import preprocess_image
 
         self.text, self.pixels = text, pixels
         self.patches, self.plan = preprocess_image(pixels, vision_config)
+        self.glyphs = None if boxes is None else patch_glyphs(boxes, self.plan, pixels.shape[1], pixels.shape[2])
         tokenizer = template.tokenizer
         self.prompt = template.render([Message("user", parts=(PROMPT, ImagePart(self.plan.num_tokens)))])
         self.answer = tokenizer.encode(text) + [tokenizer.special.eos]
@@ -133,33 +183,39 @@ def run(args: argparse.Namespace) -> int:
     train = snippets(corpus.train)
     print(f"{len(train)} training snippets; tower {sum(p.numel() for p in tower.parameters()):,} parameters",
           file=sys.stderr)
-    optimizer = torch.optim.AdamW(tower.parameters(), lr=args.lr, weight_decay=0.01)
+    reader = torch.nn.Linear(vision.hidden_size, GLYPHS)  # the auxiliary glyph head (not saved)
+    optimizer = torch.optim.AdamW([*tower.parameters(), *reader.parameters()], lr=args.lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed)
-    budget, started, step, log = args.minutes * 60, time.monotonic(), 0, []
+    budget, started, step, log, glyph_log = args.minutes * 60, time.monotonic(), 0, [], []
     while time.monotonic() - started < budget:
         progress = (time.monotonic() - started) / budget
         factor = min(1.0, progress / 0.03) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
             group["lr"] = args.lr * factor
         picks = torch.randint(len(train), (args.batch,), generator=generator).tolist()
-        examples = [Example(template, vision, train[i], draw(train[i], generator)) for i in picks]
-        loss = _loss(backbone, tower, hasher, examples, image_id, tokenizer.special.pad, F)
+        examples = [Example(template, vision, train[i], *draw(train[i], generator, boxes=True)) for i in picks]
+        loss, glyph_loss = _loss(backbone, tower, hasher, examples, image_id, tokenizer.special.pad, F, reader)
+        glyph_log.append(round(glyph_loss.item(), 4))
+        loss = loss + args.glyph_weight * glyph_loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(tower.parameters(), 1.0)
         optimizer.step()
         step += 1
-        log.append(round(loss.item(), 4))
+        log.append(round(loss.item() - args.glyph_weight * glyph_log[-1], 4))
         if step % 20 == 0:
             elapsed = time.monotonic() - started
-            print(f"\rstep {step}  loss {sum(log[-20:]) / 20:.3f}  {elapsed / 60:.1f}/{args.minutes:g} min",
-                  end="", file=sys.stderr)
+            print(f"\rstep {step}  loss {sum(log[-20:]) / 20:.3f}  glyphs {sum(glyph_log[-20:]) / 20:.3f}  "
+                  f"{elapsed / 60:.1f}/{args.minutes:g} min", end="", file=sys.stderr)
     print(file=sys.stderr)
     tower.eval()
     out = save(checkpoint, tower, vision, image_id, args.checkpoint, args.out)
     (out / "vision_training.json").write_text(json.dumps({
         "steps": step, "minutes": args.minutes, "batch": args.batch, "lr": args.lr, "seed": args.seed,
         "vision_config": asdict(vision), "prompt": PROMPT, "faces": FACES, "font_sizes": [16, 24],
+        "glyph_weight": args.glyph_weight,
+        "glyph_loss_every_20": [round(sum(glyph_log[i:i + 20]) / len(glyph_log[i:i + 20]), 4)
+                                for i in range(0, len(glyph_log), 20)],
         "training_snippets": len(train), "loss_every_20": [round(sum(log[i:i + 20]) / len(log[i:i + 20]), 4)
                                                            for i in range(0, len(log), 20)]}, indent=1) + "\n")
     result = evaluate(out, args.eval)
@@ -168,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _loss(backbone, tower, hasher, examples: list[Example], image_id: int, pad_id: int, F):
+def _loss(backbone, tower, hasher, examples: list[Example], image_id: int, pad_id: int, F, reader=None):
+    """The answers' cross entropy; with ``reader`` (the glyph head), also the patches'
+    glyph cross entropy: (answer loss, glyph loss)."""
     import torch
 
     from model.training import train_forward
@@ -181,13 +239,23 @@ def _loss(backbone, tower, hasher, examples: list[Example], image_id: int, pad_i
         ids[b, :len(row)] = torch.tensor(row)
         target[b, len(example.prompt):len(row)] = True
     mask = ids == image_id
-    embeds = torch.cat([tower.span_of(e.patches, e.plan.vit_h, e.plan.vit_w) for e in examples])
+    spans, glyph_losses = [], []
+    for e in examples:
+        features = tower.vision(e.patches, e.plan.vit_h, e.plan.vit_w)
+        if reader is not None:
+            glyph_losses.append(F.cross_entropy(reader(features), e.glyphs))
+        tokens = tower.aligner(features, e.plan.vit_h, e.plan.vit_w).float()
+        spans.append(tower.span(tokens, e.plan.llm_h, e.plan.llm_w))
+    embeds = torch.cat(spans)
     engram_ids = hasher.hash_ids(ids, token_mask=~mask)[0] if hasher is not None else None
     out = train_forward(backbone, ids, engram_ids, quantize=True, image_mask=mask, image_embeds=embeds)
     logits = out.logits[:, :-1]
     labels = ids[:, 1:]
     keep = target[:, 1:]
-    return F.cross_entropy(logits[keep].float(), labels[keep])
+    loss = F.cross_entropy(logits[keep].float(), labels[keep])
+    if reader is None:
+        return loss
+    return loss, torch.stack(glyph_losses).mean()
 
 
 def save(checkpoint, tower, vision, image_id: int, source: Path, out: Path) -> Path:
