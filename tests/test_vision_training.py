@@ -6,8 +6,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cluster.commands.train_vision import (Example, _loss, char_accuracy, edit_distance, font_paths, patch_glyphs, render,
-                                          render_with_boxes, snippets)
+from cluster.commands.train_vision import (
+    Example,
+    _loss,
+    char_accuracy,
+    edit_distance,
+    font_paths,
+    patch_glyphs,
+    render,
+    render_with_boxes,
+    snippets,
+)
 from tests.vision_model import vision_checkpoint
 
 
