@@ -38,6 +38,16 @@ class WorkerSpec:
     layers: tuple[int, ...] | None = None  # the prefill pool's encoder layers; None: all
     threads: int = 1
 
+    @classmethod
+    def of(cls, directory: str | Path, workers: int, host: str, drop_decoder: bool, threads: int) -> WorkerSpec:
+        """A replica's spec: a free rendezvous port on ``host``; a prefill replica's
+        workers serve the encoder layers only."""
+        from model.config import ModelConfig
+        from storage.redis_server import free_port
+
+        layers = tuple(range(ModelConfig.load(directory).text.decoder_start)) if drop_decoder else None
+        return cls(str(directory), workers, f"{host}:{free_port()}", layers, threads)
+
 
 def expert_worker(spec: WorkerSpec, rank: int) -> int:
     """A worker process's life: load its share, join the lead, answer until told to stop."""
@@ -48,8 +58,7 @@ def expert_worker(spec: WorkerSpec, rank: int) -> int:
     torch.set_num_threads(spec.threads)
     text = ModelConfig.load(spec.directory).text
     shard = ExpertShard(rank, spec.workers, text.n_routed_experts)
-    layers = None if spec.layers is None else range(spec.layers[0], spec.layers[-1] + 1)
-    experts = load_experts(spec.directory, shard, layers)
+    experts = load_experts(spec.directory, shard, spec.layers)
     group = join(spec.address, rank, spec.workers)
     return serve_experts(group, experts, shard, text.hidden_size, torch.float32)
 
@@ -57,17 +66,13 @@ def expert_worker(spec: WorkerSpec, rank: int) -> int:
 def lead(directory: str | Path, workers: int, drop_decoder: bool = False):
     """Load the lead's share of a checkpoint (before joining, while the workers load
     theirs): returns (checkpoint, link); :func:`connect` then joins and attaches."""
+    from actors.replica import pool_checkpoint
     from model.config import ModelConfig
-    from model.loader import load_checkpoint
     from model.runtime.parallel import ExpertLink
 
     text = ModelConfig.load(directory).text
     shard = ExpertShard(0, workers, text.n_routed_experts)
-    checkpoint = load_checkpoint(directory, shard=shard, vision=drop_decoder)
-    if drop_decoder:
-        checkpoint.backbone.keep_encoder_only()
-        checkpoint.drafter = None
-    return checkpoint, ExpertLink(shard, text.hidden_size)
+    return pool_checkpoint(directory, drop_decoder, shard), ExpertLink(shard, text.hidden_size)
 
 
 def connect(checkpoint, link, address: str) -> None:
@@ -78,23 +83,12 @@ def connect(checkpoint, link, address: str) -> None:
     attach(checkpoint.backbone, link)
 
 
-def encoder_layers(directory: str | Path) -> tuple[int, ...]:
-    """The layers whose experts a prefill replica runs."""
-    from model.config import ModelConfig
-
-    return tuple(range(ModelConfig.load(directory).text.decoder_start))
-
-
 class LocalExpertWorkers:
     """A split replica on this machine without Ray: the calling process is the lead, the
     workers are spawned processes. ``with LocalExpertWorkers(dir, 2) as (checkpoint, link):``."""
 
     def __init__(self, directory: str | Path, workers: int, drop_decoder: bool = False, threads: int | None = None):
-        from storage.redis_server import free_port
-
-        self.spec = WorkerSpec(str(directory), workers, f"127.0.0.1:{free_port()}",
-                               encoder_layers(directory) if drop_decoder else None,
-                               threads or torch.get_num_threads())
+        self.spec = WorkerSpec.of(directory, workers, "127.0.0.1", drop_decoder, threads or torch.get_num_threads())
         self.drop_decoder = drop_decoder
         self.processes: list[subprocess.Popen] = []
         self.link = None
@@ -130,10 +124,7 @@ class RayExpertWorkers:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from storage.redis_server import free_port
-
-        self.spec = WorkerSpec(str(directory), workers, f"{ray.util.get_node_ip_address()}:{free_port()}",
-                               encoder_layers(directory) if drop_decoder else None, threads)
+        self.spec = WorkerSpec.of(directory, workers, ray.util.get_node_ip_address(), drop_decoder, threads)
         self.group = placement_group([dict(resources) for _ in range(workers - 1)], strategy="PACK")
         ray.get(self.group.ready(), timeout=ready_timeout_s)
         actor = ray.remote(_ExpertWorkerActor)
@@ -148,15 +139,6 @@ class RayExpertWorkers:
         self.runs = [worker.run.remote(self.spec, rank) for rank, worker in enumerate(self.actors, start=1)]
         self.checkpoint, self.link = lead(directory, workers, drop_decoder)
         connect(self.checkpoint, self.link, self.spec.address)
-
-    def close(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        self.link.close()
-        for worker in self.actors:
-            ray.kill(worker)
-        remove_placement_group(self.group)
 
 
 class _ExpertWorkerActor:

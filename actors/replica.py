@@ -41,7 +41,7 @@ class ModelBundle(ModelIdentity):
     def __init__(self, config: AppConfig, drop_decoder: bool = False):
         import torch
 
-        from model.loader import load_checkpoint, load_hasher
+        from model.loader import load_hasher
         from model.runtime.engine import Engine
 
         super().__init__(config)
@@ -55,10 +55,7 @@ class ModelBundle(ModelIdentity):
                                             drop_decoder, config.threads)
             checkpoint = self.workers.checkpoint
         else:
-            checkpoint = load_checkpoint(config.model, vision=drop_decoder)
-            if drop_decoder:
-                checkpoint.backbone.keep_encoder_only()
-                checkpoint.drafter = None
+            checkpoint = pool_checkpoint(config.model, drop_decoder)
         model, self.drafter = checkpoint.backbone, checkpoint.drafter
         # The vision tower is the prefill pool's: a decoder replica holds none.
         self.vision = checkpoint.vision if drop_decoder else None
@@ -108,6 +105,19 @@ class ModelBundle(ModelIdentity):
         settings = StoreSettings(ssd_dir=config.ssd_dir, redis_url=config.redis_url,
                                  redis_stores_bytes=config.redis_stores_bytes, retention=config.retention())
         return node_store(settings, self.naming.fingerprint.digest)
+
+
+def pool_checkpoint(directory, drop_decoder: bool, shard=None):
+    """What a pool's replica (or, with ``shard``, its lead worker) loads: a decoder
+    replica the whole model but the vision tower (not even read); a prefill replica the
+    encoder half, the CED projection and the vision tower."""
+    from model.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(directory, shard=shard, vision=drop_decoder)
+    if drop_decoder:
+        checkpoint.backbone.keep_encoder_only()
+        checkpoint.drafter = None
+    return checkpoint
 
 
 def node_id() -> str:

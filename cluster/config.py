@@ -44,9 +44,9 @@ class ParallelConfig(BaseModel):
     @field_validator("tensor")
     @classmethod
     def _tensor(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("tensor parallelism is not built: the attention runs on a replica's lead worker")
-        return value
+        from model.parallel import ParallelSpec
+
+        return ParallelSpec(tensor=value).tensor  # refuses what is not built, saying why
 
 
 class AppConfig(BaseModel):
@@ -132,11 +132,12 @@ class AppConfig(BaseModel):
         if self.compiled_step and self.decoder_parallel.experts > 1:
             raise ValueError("compiled_step runs every expert in the decoder's process: "
                              "it cannot be combined with decoder_parallel experts > 1")
-        for pool in ("decoder", "prefill"):
-            experts = getattr(self, f"{pool}_parallel").experts
-            if experts > 1 and self.routed_experts() % experts:
+        split = {pool: getattr(self, f"{pool}_parallel").experts for pool in ("decoder", "prefill")}
+        routed = self.routed_experts() if max(split.values()) > 1 else 1
+        for pool, experts in split.items():
+            if routed % experts:
                 raise ValueError(f"{pool}_parallel.experts={experts} does not divide the model's "
-                                 f"{self.routed_experts()} routed experts")
+                                 f"{routed} routed experts")
         if self.decoder_max_replicas is not None and self.decoder_max_replicas < self.decoder_replicas:
             raise ValueError(f"decoder_max_replicas ({self.decoder_max_replicas}) is below decoder_replicas "
                              f"({self.decoder_replicas})")

@@ -15,7 +15,7 @@ This is the only file of :mod:`model` that touches the disk.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -235,7 +235,7 @@ def _expert_table(experts: torch.nn.ModuleList, keep: range) -> torch.nn.ModuleD
     return torch.nn.ModuleDict({str(e): experts[e] for e in keep})
 
 
-def load_experts(directory: str | Path, shard: ExpertShard, layers: range | None = None,
+def load_experts(directory: str | Path, shard: ExpertShard, layers: Sequence[int] | None = None,
                  device: str | torch.device = "cpu") -> dict[int, torch.nn.ModuleDict]:
     """A worker's share of the routed experts, ``{layer: {str(expert): Expert}}`` (of
     ``layers``, default all), reading only those tensors of the checkpoint."""
@@ -267,23 +267,31 @@ def add_vision_tower(source: str | Path, out: str | Path, vision: VisionConfig, 
     """A copy of the checkpoint at ``source`` that reads images: its parts and files, a
     vision tower of ``vision`` with seeded random weights (``std``), and the tokenizer's
     ``<｜deepseek_image｜>`` as the image token. Weights are written unquantised."""
-    import shutil
-
     from .chat import IMAGE_TOKEN, Tokenizer
     from .transformer import init_module
     from .vision import VisionTower
 
-    source, out = Path(source), Path(out)
     checkpoint = load_checkpoint(source, keep_stored=True)
     image_token_id = Tokenizer.from_dir(source).token_id(IMAGE_TOKEN)
     if image_token_id is None:
         raise CheckpointError(f"the tokenizer of {source} has no {IMAGE_TOKEN} token")
-    config = replace(checkpoint.config, vision=vision, image_token_id=image_token_id)
-    tower = init_module(VisionTower(vision, config.text), seed, std).eval()
-    save_checkpoint(out, replace(checkpoint, config=config, vision=tower), quantize=False)
+    tower = init_module(VisionTower(vision, checkpoint.config.text), seed, std).eval()
+    return save_with_vision(source, out, checkpoint, tower, image_token_id, quantize=False)
+
+
+def save_with_vision(source: str | Path, out: str | Path, checkpoint: Checkpoint, tower: torch.nn.Module,
+                     image_token_id: int, quantize: bool = True) -> Path:
+    """``checkpoint`` (loaded from ``source``; with ``keep_stored``, its quantised bytes
+    are written back unchanged) plus the vision ``tower``, saved in ``out`` with the
+    source's other files (tokenizer, model card, ...)."""
+    import shutil
+
+    source, out = Path(source), Path(out)
+    config = replace(checkpoint.config, vision=tower.config, image_token_id=image_token_id)
+    save_checkpoint(out, replace(checkpoint, config=config, vision=tower), quantize=quantize)
     for path in source.iterdir():
-        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") \
-                and not path.name.endswith(".index.json"):
+        if path.is_file() and path.name != "config.json" and not path.name.endswith((".safetensors", ".index.json")) \
+                and (out / path.name).resolve() != path.resolve():
             shutil.copy(path, out / path.name)
     return out
 

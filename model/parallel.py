@@ -127,15 +127,11 @@ def worker_bytes(config: ModelConfig, spec: ParallelSpec, pool: str = "decoder")
     replica of ``pool`` holds; they add up to what one unsplit replica holds."""
     from .accounting import _stored_bytes
 
-    shards = [ExpertShard(rank, spec.experts, config.text.n_routed_experts) for rank in range(spec.experts)]
+    shard = ExpertShard(0, spec.experts, config.text.n_routed_experts)
     totals = [0] * spec.experts
     for part, name, param in _held(pool_modules(config, pool)):
-        nbytes = _stored_bytes(name, param.shape)
-        if part != "backbone":
-            totals[0] += nbytes  # the drafter stays whole on the lead
-            continue
-        owner = next(s.rank for s in shards if s.holds(name)) if _ROUTED.match(name) else 0
-        totals[owner] += nbytes
+        routed = _ROUTED.match(name) if part == "backbone" else None  # the drafter stays whole on the lead
+        totals[shard.owner(int(routed.group(2))) if routed else 0] += _stored_bytes(name, param.shape)
     return totals
 
 

@@ -174,10 +174,7 @@ class Transformer(nn.Module):
         ``image_embeds`` [n, D] are their input embeddings (the image spans, in order),
         in place of the image token's embedding.
         """
-        x = self.embed(input_ids)
-        if image_embeds is not None:
-            x = x.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(x.dtype))
-        streams, pre = self.streams_of(x)
+        streams, pre = self.streams_of(self.input_embeddings(input_ids, image_mask, image_embeds))
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         rows = self.engram_rows(engram_ids)
         memory = SequenceMemory()
@@ -197,6 +194,15 @@ class Transformer(nn.Module):
     def embed_streams(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [B, S] -> (streams [B, S, hc, D], the first site's one-hot ``pre``)."""
         return self.streams_of(self.embed(input_ids))
+
+    def input_embeddings(self, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None,
+                         image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., D]: the token table's rows, and ``image_embeds`` [n, D] (the image spans,
+        in order) where ``image_mask`` is set."""
+        x = self.embed(input_ids)
+        if image_embeds is not None:
+            x = x.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(x.dtype))
+        return x
 
     def streams_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Input embeddings [..., D] (token embeddings, image spans) -> (streams [..., hc, D],

@@ -365,7 +365,6 @@ class VisionTower(nn.Module):
         r = self.config.downsample_ratio
         return math.ceil(vit_h / r), math.ceil(vit_w / r)
 
-    @torch.no_grad()
     def encode(self, patches: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:
         """Patches [vit_h * vit_w, 3 * p * p] -> image tokens [llm_h * llm_w, text_hidden] (fp32)."""
         return self.aligner(self.vision(patches, vit_h, vit_w), vit_h, vit_w).float()
@@ -379,8 +378,7 @@ class VisionTower(nn.Module):
 
     def span_of(self, patches: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:
         """:meth:`forward` with gradients (training)."""
-        llm_h, llm_w = self.grid(vit_h, vit_w)
-        return self.span(self.aligner(self.vision(patches, vit_h, vit_w), vit_h, vit_w).float(), llm_h, llm_w)
+        return self.span(self.encode(patches, vit_h, vit_w), *self.grid(vit_h, vit_w))
 
     @torch.no_grad()
     def forward(self, patches: torch.Tensor, vit_h: int, vit_w: int) -> torch.Tensor:

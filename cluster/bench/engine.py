@@ -117,6 +117,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def greedy_decode_rate(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[list[int]]]:
+    """Greedy decode of one sequence per prompt, from fresh caches after each prompt's
+    prefill and replay: (tokens/s over ``steps`` timed batched steps, every sequence's
+    tokens)."""
+    caches = [engine.new_cache() for _ in prompts]
+    tokens = [[int(engine.replay(c, engine.prefill(c, p)).argmax())] for c, p in zip(caches, prompts)]
+    begin = time.perf_counter()
+    for _ in range(steps):
+        for row, logits in zip(tokens, engine.decode([(c, [row[-1]]) for c, row in zip(caches, tokens)])):
+            row.append(int(logits[-1].argmax()))
+    return len(prompts) * steps / (time.perf_counter() - begin), tokens
+
+
 def _compiled_vs_eager(args: argparse.Namespace) -> dict:
     """Decode tokens/s of the compiled layer step against the eager one on trained
     weights, at batch 1 and 16: rounds alternate the two (paired), each from fresh
@@ -139,13 +152,7 @@ def _compiled_vs_eager(args: argparse.Namespace) -> dict:
     prompts = [torch.randint(16, config.text.vocab_size, (300,), generator=generator).tolist() for _ in range(16)]
 
     def tokens_per_s(engine: Engine, batch: int, steps: int) -> tuple[float, list[list[int]]]:
-        caches = [engine.new_cache() for _ in range(batch)]
-        tokens = [[int(engine.replay(c, engine.prefill(c, p)).argmax())] for c, p in zip(caches, prompts)]
-        begin = time.perf_counter()
-        for _ in range(steps):
-            for row, logits in zip(tokens, engine.decode([(c, [row[-1]]) for c, row in zip(caches, tokens)])):
-                row.append(int(logits[-1].argmax()))
-        return batch * steps / (time.perf_counter() - begin), tokens
+        return greedy_decode_rate(engine, prompts[:batch], steps)
 
     for batch in (1, 2, 16):  # compile the step's shapes (the first decode of each count), then warm both
         tokens_per_s(fast, batch, 2)

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from actors.expert_workers import LocalExpertWorkers
+    from cluster.bench.engine import greedy_decode_rate
     from cluster.cli import UserError
     from model.loader import CheckpointError, load_hasher, load_model
     from model.runtime.engine import Engine
@@ -52,13 +53,7 @@ def run(args: argparse.Namespace) -> int:
         result = {}
         for batch in (1, 16):
             steps = args.decode_steps if batch == 1 else max(4, args.decode_steps // 4)
-            caches = [engine.new_cache() for _ in range(batch)]
-            tokens = [[int(engine.replay(c, engine.prefill(c, p)).argmax())] for c, p in zip(caches, prompts)]
-            begin = time.perf_counter()
-            for _ in range(steps):
-                for row, logits in zip(tokens, engine.decode([(c, [row[-1]]) for c, row in zip(caches, tokens)])):
-                    row.append(int(logits[-1].argmax()))
-            result[f"decode{batch}"] = (batch * steps / (time.perf_counter() - begin), tokens)
+            result[f"decode{batch}"] = greedy_decode_rate(engine, prompts[:batch], steps)
         begin = time.perf_counter()
         engine.prefill(engine.new_cache(), long_prompt)
         result["prefill"] = (time.perf_counter() - begin, None)

@@ -27,10 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 PROMPT = "Transcribe the code in the image:\n"
@@ -168,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from cluster.commands.train_small import load_corpus
     from model.chat import ChatTemplate, Tokenizer
     from model.config import VisionConfig
-    from model.loader import load_checkpoint, load_hasher
+    from model.loader import load_checkpoint, load_hasher, save_with_vision
     from model.transformer import init_module
     from model.vision import VisionTower
 
@@ -216,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{elapsed / 60:.1f}/{args.minutes:g} min", end="", file=sys.stderr)
     print(file=sys.stderr)
     tower.eval()
-    out = save(checkpoint, tower, vision, image_id, args.checkpoint, args.out)
+    out = save_with_vision(args.checkpoint, args.out, checkpoint, tower, image_id)
     (out / "vision_training.json").write_text(json.dumps({
         "steps": step, "minutes": args.minutes, "batch": args.batch, "lr": args.lr, "seed": args.seed,
         "vision_config": asdict(vision), "prompt": PROMPT, "faces": FACES, "font_sizes": [16, 24],
@@ -263,20 +262,6 @@ def _loss(backbone, tower, hasher, examples: list[Example], image_id: int, pad_i
     if reader is None:
         return loss
     return loss, torch.stack(glyph_losses).mean()
-
-
-def save(checkpoint, tower, vision, image_id: int, source: Path, out: Path) -> Path:
-    """The source checkpoint (its stored bytes unchanged) plus the tower, and its other files."""
-    from model.loader import save_checkpoint
-
-    out.mkdir(parents=True, exist_ok=True)
-    config = replace(checkpoint.config, vision=vision, image_token_id=image_id)
-    save_checkpoint(out, replace(checkpoint, config=config, vision=tower))
-    for path in Path(source).iterdir():
-        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") \
-                and (out / path.name).resolve() != path.resolve():
-            shutil.copy(path, out / path.name)
-    return out
 
 
 # ---------------------------------------------------------------------- evaluation

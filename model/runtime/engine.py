@@ -237,9 +237,7 @@ class Engine:
         if self.hasher is None:
             return None
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.model.embed.weight.device)
-        image_mask = self._image_mask(ids)
-        _, context = self.hasher.hash_ids(ids[None], token_mask=None if image_mask is None else ~image_mask[None])
-        return context
+        return self._hash_ids(ids, None, self._image_mask(ids))[1]
 
     def _image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
         """True at image positions of ``ids`` [n]; None when there are none."""
@@ -564,14 +562,20 @@ class Engine:
         return torch.cat(indices), torch.cat(valid)
 
     # ------------------------------------------------------------------ Engram rows
-    def _hash(self, cache: SequenceCache, ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _hash(self, cache: SequenceCache, ids: torch.Tensor, image_mask: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
         """Engram row ids [n, layers, cols] of new tokens (no n-gram reaches across an
         image position); advances the n-gram context."""
         if self.hasher is None:
             return None
-        token_mask = None if image_mask is None else ~image_mask[None]
-        hash_ids, cache.ngram = self.hasher.hash_ids(ids[None], cache.ngram, token_mask=token_mask)
+        hash_ids, cache.ngram = self._hash_ids(ids, cache.ngram, image_mask)
         return hash_ids
+
+    def _hash_ids(self, ids: torch.Tensor, context: NgramContext | None,
+                  image_mask: torch.Tensor | None) -> tuple[torch.Tensor, NgramContext]:
+        """The hasher over ``ids`` [n] from ``context``, no n-gram across an image
+        position (``image_mask``; None: there are none)."""
+        return self.hasher.hash_ids(ids[None], context, token_mask=None if image_mask is None else ~image_mask[None])
 
     def _table_rows(self, hash_ids: torch.Tensor | None, layers: tuple[int, ...] | None = None) -> dict[int, torch.Tensor]:
         """Rows [n, cols, hd] per Engram layer (``layers``, default all) from the model's
@@ -586,6 +590,4 @@ class Engine:
             return None
         back = max(0, start - (self.hasher.max_ngram_size - 1))
         ids = torch.tensor(token_ids[back:], dtype=torch.long, device=self.model.embed.weight.device)
-        image_mask = self._image_mask(ids)
-        hash_ids, _ = self.hasher.hash_ids(ids[None], token_mask=None if image_mask is None else ~image_mask[None])
-        return hash_ids[:, start - back :]
+        return self._hash_ids(ids, None, self._image_mask(ids))[0][:, start - back :]

@@ -150,10 +150,7 @@ class _Forward(nn.Module):
         model = self.model
         batch, length = input_ids.shape
         device = input_ids.device
-        x = model.embed(input_ids)
-        if image_embeds is not None:
-            x = x.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(x.dtype))
-        streams, pre = model.streams_of(x)
+        streams, pre = model.streams_of(model.input_embeddings(input_ids, image_mask, image_embeds))
         positions = torch.arange(length, device=device).expand(batch, length)
         rows = {}
         for block in model.layers:
