@@ -288,10 +288,11 @@ class DecoderPool:
         try:
             handoff, first = await loop.run_in_executor(self.executor, admit)
             timeline = {**handoff.timeline, "admitted": admitted, "decode_out": time.time()}
+            stored = {}
             if first.finish_reason is not None:
                 leave_batch()
-                await self._store_conversation(request_id)
-            yield {"cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
+                stored = await self._store_conversation(request_id)
+            yield {**stored, "cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
                    "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
                    "prefilled_by": handoff.prefilled_by, "moved_bytes": handoff.moved_bytes, "node": self.node_id,
                    **dataclasses.asdict(first)}
@@ -303,10 +304,11 @@ class DecoderPool:
                 event = await queue.get()
                 if isinstance(event, BaseException):
                     raise event
+                stored = {}
                 if event.finish_reason is not None:
                     leave_batch()  # its place is free while the conversation is stored
-                    await self._store_conversation(request_id)
-                yield dataclasses.asdict(event)
+                    stored = await self._store_conversation(request_id)
+                yield {**dataclasses.asdict(event), **stored}
                 if event.finish_reason is not None:
                     return
         finally:
@@ -315,14 +317,17 @@ class DecoderPool:
                 await loop.run_in_executor(self.executor, self.service.cancel, request_id)
             self.service.forget(request_id)  # finished, but its client left before the end
 
-    async def _store_conversation(self, request_id: str) -> None:
+    async def _store_conversation(self, request_id: str) -> dict[str, float]:
         """Store a finished request's conversation in this node's RAM tier and index it,
         before its last token goes out: the next turn, sent the moment the answer is
         complete, finds every chunk. A store that does not answer in time costs the
-        next turn its hit, never this request."""
+        next turn its hit, never this request. Returns ``{"stored_at": when the store
+        call ended}`` for the last event (empty when there was nothing to store)."""
         objects = self.service.conversation_objects(request_id)
-        if objects:
-            await self.service.store.put_now(objects)
+        if not objects:
+            return {}
+        await self.service.store.put_now(objects)
+        return {"stored_at": time.time()}
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()

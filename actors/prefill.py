@@ -121,7 +121,7 @@ class PrefillService:
         if plan.images and self.images is None:
             raise ValueError("this replica has no vision tower: an image prompt goes to a prefill replica")
         spans = self.images.spans(plan.images) if plan.images else []
-        start = time.perf_counter()
+        start, read_at = time.perf_counter(), time.time()  # read_at: when this looked for the stored prefix
         keys = (tuple(plan.chunk_keys) if plan.chunk_keys is not None
                 else tuple(self.naming.chunks(tokens, media=plan.media)))
         moved = Moved()
@@ -152,6 +152,7 @@ class PrefillService:
             prefill_s=time.perf_counter() - start,
             moved_bytes=moved.bytes,
             media=plan.media,
+            timeline={"prefill_read": read_at},
         )
 
     def _load_stored(self, tokens: list[int], plan: CachePlan, chunk_keys: tuple[ObjectKey, ...], moved: Moved):

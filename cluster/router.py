@@ -41,7 +41,8 @@ _STAGES = (
     ("plan", "rendered", "planned"),  # the index lookup of the cache plan
     ("dispatch", "planned", "router_sent"),  # Engram lookup started, calls to the pools sent
     ("to_prefill", "router_sent", "prefill_in"),
-    ("prefill", "prefill_in", "prefill_out"),  # store reads + encoder (+ executor queue)
+    ("prefill_wait", "prefill_in", "prefill_read"),  # the prefill replica's queue
+    ("prefill", "prefill_read", "prefill_out"),  # store reads + encoder
     ("handoff", "prefill_out", "decode_in"),  # result back, decoder call, object transfer
     ("decode", "decode_in", "decode_out"),  # load, replay, first token
     ("stream", "decode_out", "first_token"),  # first stream item to the router
@@ -59,6 +60,15 @@ def server_timing(marks: dict[str, float], replica_s: float, prefilled_by: str) 
             desc = f';desc="{prefilled_by}"' if name == "prefill" and prefilled_by else ""
             parts.append(f"{name};dur={1e3 * (marks[b] - marks[a]):.3f}{desc}")
     return ", ".join(parts + [f"compute;dur={1e3 * replica_s:.3f}"])
+
+
+def _store_times(marks: dict[str, float]) -> dict[str, str]:
+    """When the prompt's stored prefix was looked up (the router's index lookup, or the
+    prefill's read of its own store where no index answered) and when the answer's
+    conversation was stored (Unix seconds): the two moments that decide which turns
+    find which chunks, for a replay that checks the simulator against the cluster."""
+    times = {"lookup": marks.get("looked_up", marks.get("prefill_read")), "stored": marks.get("stored")}
+    return {f"x-v41-{name}-at": f"{at:.6f}" for name, at in times.items() if at is not None}
 
 
 def parse_server_timing(header: str) -> tuple[dict[str, float], dict[str, str]]:
@@ -342,6 +352,8 @@ class Router:
         marks["rendered"] = time.time()
         plan = self._plan(tokens, images)
         marks["planned"] = time.time()
+        if plan.windows is not None:  # the index decided what is stored (else the prefill's store does)
+            marks["looked_up"] = marks["planned"]
         lookup = None
         if self.engram is not None:  # start fetching the rows now: they arrive while layer 0 runs
             import torch
@@ -539,6 +551,7 @@ class Router:
                                      "x-v41-prefills": str(prefills),
                                      "x-v41-queue-ms": f"{queued_ms:.3f}",
                                      "x-v41-moved-bytes": str(first.get("moved_bytes", 0)),
+                                     **_store_times(marks),
                                      "server-timing": server_timing(marks, result["replica_s"], result["prefilled_by"])})
 
     async def _started(self, dispatched: list, request: Request) -> list[tuple[dict, object]]:
@@ -634,6 +647,8 @@ class Router:
                 cached, replica_s, prefilled_by = event["cached_tokens"], event["replica_s"], event["prefilled_by"]
                 timeline = {**event["timeline"], "first_token": time.time()}
                 ttft = time.perf_counter() - start
+            if "stored_at" in event:  # the last event: its conversation is in the store
+                timeline["stored"] = event["stored_at"]
             tokens.append(event["token_id"])
             answer.push(event["token_id"], event["text"], event.get("logprob"), event.get("top_logprobs", ()))
             if completion is not None and event.get("logprob") is not None:

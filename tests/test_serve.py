@@ -241,7 +241,8 @@ def test_server_timing_accounts_for_the_whole_trip(client):
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "x = 1"}], max_tokens=1, temperature=0)
     stages, descriptions = parse_server_timing(raw.headers["server-timing"])
-    trip = ["parse", "plan", "dispatch", "to_prefill", "prefill", "handoff", "decode", "stream", "respond"]
+    trip = ["parse", "plan", "dispatch", "to_prefill", "prefill_wait", "prefill", "handoff", "decode", "stream",
+            "respond"]
     assert list(stages) == trip + ["compute"]
     assert all(stages[name] >= 0 for name in trip)
     assert descriptions == {"prefill": "decoder"}  # a short new prompt is encoded where it decodes
@@ -253,6 +254,10 @@ def test_server_timing_accounts_for_the_whole_trip(client):
     # The replicas' compute happens inside the prefill and decode stages.
     assert stages["compute"] == pytest.approx(float(raw.headers["x-v41-replica-ms"]), abs=1e-3)
     assert stages["compute"] <= stages["prefill"] + stages["decode"] + 1e-3
+    # When the stored prefix was looked up, and when the answer's conversation was
+    # stored: inside the trip, in that order (a replay's simulator reads them).
+    looked, stored = (float(raw.headers[f"x-v41-{name}-at"]) for name in ("lookup", "stored"))
+    assert 0 < stored - looked < sum(stages[name] for name in trip) / 1e3
 
 
 def test_metrics_reach_prometheus_through_ray(client):

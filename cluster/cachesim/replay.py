@@ -9,7 +9,11 @@ the cluster does (``v41 cache-sim validate``).
   the trace means.
 - :func:`replay` sends the rows open-loop at their times (compressed by ``speedup``)
   with bounded concurrency to ``/v1/completions``, and records when each was sent and
-  answered and its usage (prompt and cached tokens). With ``restart_at``, it stops
+  answered, its usage (prompt and cached tokens), and the two moments the server
+  reports that decide what it found: when it looked up the stored prefix (the
+  router's index lookup; the prefill's read, after its queue, where no index
+  answered) and when its conversation was stored (just before its last token went
+  out). With ``restart_at``, it stops
   before that row, lets the requests in flight finish, calls ``restart`` (the cluster's
   store is killed and comes back), and goes on.
 """
@@ -69,6 +73,8 @@ class Sent:
     cached_tokens: int
     status: int
     error: str = ""
+    lookup_s: float | None = None  # when the cluster looked up the stored prefix (x-v41-lookup-at)
+    stored_s: float | None = None  # when the conversation was stored (x-v41-stored-at)
 
 
 async def replay(url: str, model: str, rows: list[dict], vocab_size: int, speedup: float = 1.0,
@@ -80,6 +86,7 @@ async def replay(url: str, model: str, rows: list[dict], vocab_size: int, speedu
     import aiohttp
 
     started = time.monotonic()
+    epoch = time.time()  # the server's marks are Unix times (one machine: one clock)
     limit = asyncio.Semaphore(concurrency)
     results: list[Sent | None] = [None] * len(rows)
     shift = 0.0  # the pause for the restart: later rows move by it
@@ -98,9 +105,12 @@ async def replay(url: str, model: str, rows: list[dict], vocab_size: int, speedu
                 results[index] = Sent(sent, time.monotonic() - started, 0, 0, 0, f"{type(error).__name__}: {error}")
                 return
             usage = answer.get("usage") or {}
+            looked, stored = (response.headers.get(f"x-v41-{name}-at") for name in ("lookup", "stored"))
             results[index] = Sent(sent, time.monotonic() - started, int(usage.get("prompt_tokens", 0)),
                                   int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)), status,
-                                  "" if status == 200 else str(answer.get("error", answer))[:200])
+                                  "" if status == 200 else str(answer.get("error", answer))[:200],
+                                  None if looked is None else float(looked) - epoch,
+                                  None if stored is None else float(stored) - epoch)
 
     t0 = rows[0]["timestamp"] if rows else 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:

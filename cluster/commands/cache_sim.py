@@ -277,7 +277,8 @@ _TIERS = ("ram", "ssd")
 
 
 def _restart_store() -> None:
-    """Kill the node's store actor (Ray restarts it on its SSD slot) and wait until it answers."""
+    """Kill the node's store actor (Ray restarts it on its SSD slot) and wait until the
+    new process answers (the old one may still answer a call sent just after the kill)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayError
 
@@ -285,14 +286,16 @@ def _restart_store() -> None:
 
     (store,) = store_actors().values()
     ray.get(store.flush.remote())  # what the first half wrote is on the SSD (as the simulator's is)
+    old = ray.get(store.pid.remote())
     ray.kill(store, no_restart=False)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            ray.get(store.stats.remote(), timeout=5)
-            return
+            if ray.get(store.pid.remote(), timeout=5) != old:
+                return
         except (RayError, GetTimeoutError):  # still restarting
-            time.sleep(0.5)
+            pass
+        time.sleep(0.2)
     raise RuntimeError("the store actor did not come back within 120 s")
 
 
@@ -312,7 +315,9 @@ def validate(args: argparse.Namespace) -> int:
     from actors.store import tier_totals
     from cluster.cachesim import replay, workload
     from cluster.cachesim import sizes as sizes_module
-    from cluster.cachesim.simulate import SimConfig, Simulator
+    import pyarrow.parquet as pq
+
+    from cluster.cachesim.simulate import RequestTable, SimConfig, Simulator
     from cluster.cli import UserError
     from cluster.commands.serve import default_model, local_app
     from cluster.config import AppConfig
@@ -359,15 +364,33 @@ def validate(args: argparse.Namespace) -> int:
     ssd_hits = before.get("ssd", {}).get("hits", 0) + after.get("ssd", {}).get("hits", 0)
     live = _live(sent, ssd_hits, chunk_tokens)
 
-    # The simulator on the same rows, at the times the cluster saw them.
-    timed = [dict(row, timestamp=s.sent_s * 1000.0) for row, s in zip(rows, sent)]
-    requests = sorted(workload.trace_requests(timed, done_s=[s.done_s for s in sent]), key=lambda r: r.time_s)
+    # The simulator on the same rows, at the times the cluster looked them up and stored them.
+    looked = [s.sent_s if s.lookup_s is None else s.lookup_s for s in sent]
+    stored = [s.done_s if s.stored_s is None else s.stored_s for s in sent]
+    timed = [dict(row, timestamp=at * 1000.0) for row, at in zip(rows, looked)]
+    order = sorted(range(len(sent)), key=looked.__getitem__)  # stable, as the requests' sort
+    requests = sorted(workload.trace_requests(timed, done_s=stored), key=lambda r: r.time_s)
     config = SimConfig(sizes_module.from_config(model, chunk_tokens), ram_bytes=ram_bytes, mode="exact", shrink=1,
                        extents=False)  # one object per chunk, as the store keeps them
-    with Simulator(config) as simulator:
-        result = simulator.run(requests, restarts=[] if restarted_s is None else [restarted_s])
-        simulated_evictions = result.store["tiers"]["ram"]["evictions"] + sum(
-            stats.tiers["ram"].evictions for stats in simulator.earlier_stores)
+    table_dir = tempfile.mkdtemp(prefix="v41-cache-sim-validate-")
+    try:
+        table = RequestTable(Path(table_dir) / "requests.parquet")
+        with Simulator(config) as simulator:
+            result = simulator.run(requests, restarts=[] if restarted_s is None else [restarted_s], table=table)
+            simulated_evictions = result.store["tiers"]["ram"]["evictions"] + sum(
+                stats.tiers["ram"].evictions for stats in simulator.earlier_stores)
+        table.close()
+        outcomes = pq.read_table(table.path, columns=["hit_tokens_ram", "hit_tokens_ssd"]).to_pylist()
+    finally:
+        shutil.rmtree(table_dir, ignore_errors=True)
+    # Each turn, in the order sent: what the cluster found against what the simulator found.
+    turns = [None] * len(sent)
+    for index, outcome in zip(order, outcomes):
+        s = sent[index]
+        turns[index] = {"sent_s": round(s.sent_s, 3), "lookup_s": round(looked[index], 3),
+                        "stored_s": round(stored[index], 3), "prompt_tokens": s.prompt_tokens,
+                        "cached_live": s.cached_tokens, "cached_sim_ram": outcome["hit_tokens_ram"],
+                        "cached_sim_ssd": outcome["hit_tokens_ssd"]}
     simulated = {key: result.rates[key] for key in ("hit_rate_ram", "hit_rate_ssd", "hit_rate")}
     diffs = {key: abs(live[key] - simulated[key]) for key in simulated}
     report = {"requests": len(sent), "conversations": args.conversations, "prompt_tokens": sum(s.prompt_tokens
@@ -378,7 +401,7 @@ def validate(args: argparse.Namespace) -> int:
               "max_abs_hit_rate_diff": round(max(diffs.values()), 4), "ram_mb": args.ram_mb,
               "evictions": {"live_ram": before.get("ram", {}).get("evictions", 0) + after.get("ram", {}).get("evictions", 0),
                             "simulated_ram": simulated_evictions},
-              "wall_s": round(time.time() - started, 1)}
+              "wall_s": round(time.time() - started, 1), "turns": turns}
     print(f"v41 cache-sim validate: {report['requests']} requests of {args.conversations} conversations "
           f"({report['prompt_tokens']:,} prompt tokens), replayed in {report['replay_s']} s"
           + ("" if restarted_s is None else f", the store restarted at {restarted_s:.1f} s"))
@@ -387,6 +410,11 @@ def validate(args: argparse.Namespace) -> int:
         print(f"{label:<10} {live[key]:>7.3f} {simulated[key]:>7.3f} {diffs[key]:>7.3f}")
     print(f"max |live - simulated| = {report['max_abs_hit_rate_diff']:.3f}; RAM evictions: live "
           f"{report['evictions']['live_ram']}, simulated {report['evictions']['simulated_ram']}")
+    differing = [(i, t) for i, t in enumerate(turns) if t["cached_live"] != t["cached_sim_ram"] + t["cached_sim_ssd"]]
+    print(f"turns whose cached tokens differ: {len(differing)} of {len(turns)}")
+    for i, t in differing:
+        print(f"  #{i}: sent {t['sent_s']:.3f} s, looked up {t['lookup_s']:.3f} s, stored {t['stored_s']:.3f} s; "
+              f"cached live {t['cached_live']}, simulated {t['cached_sim_ram']} RAM + {t['cached_sim_ssd']} SSD")
     if args.json:
         print(json.dumps(report))
     return 0
