@@ -175,6 +175,28 @@ def test_random_drafter_and_the_scheduler_keep_greedy_output(tiny):
     assert generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=6), speculation=spec) == plain
 
 
+def test_a_guess_of_the_image_placeholder_is_rejected(tiny_backbone, tiny):
+    """The drafter guesses plain greedy's tokens, the placeholder among them: the target
+    rejects it and the output is greedy without it, as with a -100 bias on it."""
+    engine, drafter = tiny
+    _, model, hasher = tiny_backbone
+    prompt = _tokens(45, 7)
+    truth = _plain_greedy(engine, [prompt], 10)[0]
+    placeholder = truth[3]
+    assert placeholder not in prompt
+    expected = generate(engine, [prompt], SamplingParams(temperature=0.0, max_tokens=10,
+                                                         logit_bias=((placeholder, -100),)))[0]
+    reader = Engine(model, hasher, image_token_id=placeholder)
+    oracle = _Oracle(drafter, reader, {"a": truth}, seed=2)
+    batcher = Batcher(reader, speculation=Speculation(oracle, "fixed", k=5))
+    oracle.batcher = batcher
+    events = [batcher.add("a", SamplingParams(temperature=0.0, max_tokens=10), prompt=prompt)]
+    while batcher.running:
+        events += batcher.step()
+    assert [e.token_id for e in events] == expected and placeholder not in expected
+    assert expected[:3] == truth[:3]
+
+
 def test_a_stop_inside_a_step_leaves_the_cache_of_plain_decoding(tiny):
     engine, drafter = tiny
     prompt = _tokens(40, 5)

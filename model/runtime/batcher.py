@@ -71,6 +71,8 @@ class Batcher:
         self.metrics = SpecMetrics()
         self.running: dict[str, Sequence] = {}
         self._grammars: GrammarCompiler | None = None  # built at the first request with a grammar
+        image = engine.image_token_id
+        self._image_id = None if image is None else torch.tensor([image], device=engine.model.embed.weight.device)
 
     def can_add(self) -> bool:
         return len(self.running) < self.max_batch
@@ -153,7 +155,7 @@ class Batcher:
         extend, lo = [], 0
         for i, r in enumerate(batch):
             q = drafted.q[i] if drafted.q is not None and not r.params.greedy else None
-            shaped = shape_logits(logits[i], r.params, r.tokens, guesses[i][: lengths[i]])
+            shaped = self._shaped(logits[i], r, guesses[i][: lengths[i]])
             if r.constraint is not None:  # a guess outside the grammar has probability 0: rejected
                 walk = drafted.walks.get(i)
                 masks = walk.masks_for(guesses[i][: lengths[i]]) if walk is not None else None
@@ -204,13 +206,22 @@ class Batcher:
 
     def _emit(self, running: Sequence, logits: torch.Tensor) -> TokenEvent:
         """Sample ``running``'s next token from ``logits`` [1, V] and record it."""
-        shaped = shape_logits(logits, running.params, running.tokens)
+        shaped = self._shaped(logits, running)
         if running.constraint is not None:
             shaped = apply_masks(shaped, [running.constraint.mask()])
         event = running.feed(int(sample(shaped, [running.params], [running.generator])[0]), logits[0])
         if event.finish_reason is not None:
             self._finish(running)
         return event
+
+    def _shaped(self, logits: torch.Tensor, running: Sequence, continuation: list[int] = ()) -> torch.Tensor:
+        """``shape_logits``, and the image placeholder made impossible: its id stands for
+        an image's embeddings, which no answer has (the next turn would carry an image
+        token without an image). A guess of it is rejected like any other."""
+        shaped = shape_logits(logits, running.params, running.tokens, continuation)
+        if self.engine.image_token_id is None:
+            return shaped
+        return shaped.index_fill(-1, self._image_id, float("-inf"))  # a new tensor: logprobs read the model's
 
     def _finish(self, running: Sequence) -> None:
         del self.running[running.request_id]
