@@ -49,6 +49,7 @@ from storage.store import StoreConfig, TieredStore
 from storage.tiers.ssd import SizedPayload
 
 YOUNG_GC_EVERY = 100_000  # requests between the loop's own collections of the young generations
+CHECKPOINT_SHARE = 0.05  # of a run's wall time, at most, spent writing checkpoints
 
 
 @contextlib.contextmanager
@@ -342,7 +343,8 @@ class Simulator:
             checkpoint_every_s: float = 300.0, table: RequestTable | None = None) -> Result:
         """Replay ``requests``; the store restarts at each time in ``restarts`` (exact
         mode). With ``checkpoint`` (scale mode), the state is saved there every
-        ``checkpoint_every_s`` wall seconds, and a run that finds one resumes from it
+        ``checkpoint_every_s`` wall seconds (or less often: saves take at most
+        ``CHECKPOINT_SHARE`` of the run however big the state), and a run that finds one resumes from it
         (the same requests must come: the ones it had taken are skipped). ``table``
         receives each request's outcome."""
         started = time.perf_counter()
@@ -355,6 +357,7 @@ class Simulator:
             pending = self._pending
             requests = itertools.islice(requests, self._consumed, None)
         saved_at = time.perf_counter()
+        every_s = checkpoint_every_s
 
         def advance(until: float) -> None:
             while True:
@@ -404,10 +407,13 @@ class Simulator:
                 heapq.heappush(pending, (end, self._order, request, hit, found))
                 if self._consumed % YOUNG_GC_EVERY == 0:
                     gc.collect(1)
-                if checkpoint is not None and time.perf_counter() - saved_at >= checkpoint_every_s:
+                if checkpoint is not None and time.perf_counter() - saved_at >= every_s:
                     self._wall_s += time.perf_counter() - started
-                    started = saved_at = time.perf_counter()
+                    started = time.perf_counter()
                     self.save(checkpoint)
+                    saved_at = time.perf_counter()
+                    # A big state takes long to write: keep the saves to a share of the run.
+                    every_s = max(checkpoint_every_s, (saved_at - started) * (1 - CHECKPOINT_SHARE) / CHECKPOINT_SHARE)
             # The turns still running end; with --hours, the clock runs on to the limit (GC, samples).
             advance(limit if config.hours is not None else max((p[0] for p in pending), default=self.clock.now))
         self.sample()

@@ -312,11 +312,11 @@ def validate(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
+    import pyarrow.parquet as pq
+
     from actors.store import tier_totals
     from cluster.cachesim import replay, workload
     from cluster.cachesim import sizes as sizes_module
-    import pyarrow.parquet as pq
-
     from cluster.cachesim.simulate import RequestTable, SimConfig, Simulator
     from cluster.cli import UserError
     from cluster.commands.serve import default_model, local_app
