@@ -202,6 +202,7 @@ class Simulator:
         # have left the store since; the store is asked).
         self._extents: dict[int, dict[int, tuple[int, ObjectKey]]] = {}
         self._chunk_size = config.sizes.chunk_bytes
+        self._sized: dict[int, SizedPayload] = {}
         self.earlier_stores: list = []  # the stats of the stores a restart closed
         # The run loop's state (kept here so that a checkpoint holds it).
         self._pending: list[tuple] = []
@@ -221,9 +222,15 @@ class Simulator:
 
     def _payload(self, stored: int) -> bytes:
         """A payload whose file on SSD (envelope included) is ``stored`` bytes: what RAM
-        holds is the payload alone, as in the store."""
+        holds is the payload alone, as in the store. (Scale mode: one immutable
+        :class:`SizedPayload` per size, shared.)"""
         size = max(1, (stored - HEADER_BYTES) // self.config.shrink)
-        return SizedPayload(size) if self.config.mode == "scale" else bytes(size)
+        if self.config.mode != "scale":
+            return bytes(size)
+        payload = self._sized.get(size)
+        if payload is None:
+            payload = self._sized[size] = SizedPayload(size)
+        return payload
 
     # -- events ------------------------------------------------------------------------
 
