@@ -203,7 +203,7 @@ def test_checkpoints_of_a_big_state_take_a_bounded_share_of_the_run(tmp_path, mo
     run_s = now[0]
     assert result.totals.requests > 5000 and run_s > 10 * len(saves)
     assert 2 <= len(saves) and 10.0 * len(saves) <= module.CHECKPOINT_SHARE * run_s + 10.0
-    assert min(b - a for a, b in zip(saves, saves[1:])) >= 10.0 / module.CHECKPOINT_SHARE - 1e-6
+    assert min(b - a for a, b in itertools.pairwise(saves)) >= 10.0 / module.CHECKPOINT_SHARE - 1e-6
 
 
 def test_the_requests_table_adds_up_to_the_totals(tmp_path):
