@@ -368,8 +368,9 @@ def validate(args: argparse.Namespace) -> int:
     looked = [s.sent_s if s.lookup_s is None else s.lookup_s for s in sent]
     stored = [s.done_s if s.stored_s is None else s.stored_s for s in sent]
     timed = [dict(row, timestamp=at * 1000.0) for row, at in zip(rows, looked)]
-    order = sorted(range(len(sent)), key=looked.__getitem__)  # stable, as the requests' sort
-    requests = sorted(workload.trace_requests(timed, done_s=stored), key=lambda r: r.time_s)
+    order = sorted(range(len(sent)), key=looked.__getitem__)  # the simulator's arrival order
+    unordered = list(workload.trace_requests(timed, done_s=stored))
+    requests = [unordered[i] for i in order]
     config = SimConfig(sizes_module.from_config(model, chunk_tokens), ram_bytes=ram_bytes, mode="exact", shrink=1,
                        extents=False)  # one object per chunk, as the store keeps them
     table_dir = tempfile.mkdtemp(prefix="v41-cache-sim-validate-")
