@@ -2,6 +2,7 @@
 
     put   -> host RAM now; SSD (and Redis, if it stores bytes) on the write-behind thread
     get   -> RAM, then queued writes, then SSD, then Redis; a lower hit is promoted to RAM
+             (concurrent reads of one key from a lower tier share one read)
     lookup_prefix -> the longest run of stored chunks, and where each one lives
 
 Every tier returns verified bytes or a miss, so the store never returns wrong bytes and
@@ -120,6 +121,9 @@ class TieredStore:
                 self._index, clock, self._local_entries, max_pending=config.index_pending_max,
                 touch_interval_s=self._policy.touch_interval_s, heartbeat_s=config.index_heartbeat_s)
         self._writer = WriteBehind(self._write_lower, max_bytes=config.write_queue_bytes)
+        # Keys being read from the SSD or Redis now: (done, [the payload or None]).
+        self._reading: dict[ObjectKey, tuple[threading.Event, list]] = {}
+        self._reading_lock = threading.Lock()
         self._closed = threading.Event()
         self._gc_thread = threading.Thread(target=self._gc_loop, name="v41-store-gc", daemon=True)
         if config.gc_thread:
@@ -206,19 +210,50 @@ class TieredStore:
         # Written but not yet on the lower tiers.
         for i, payload in zip(missing, self._writer.pending_many([keys[i] for i in missing])):
             results[i] = payload
-        for tier in (self._ssd, self._redis):
-            missing = [i for i in missing if results[i] is None]
-            if tier is None or not missing:
-                continue
-            found = tier.get_many([keys[i] for i in missing])
-            hits = [(i, payload) for i, payload in zip(missing, found) if payload is not None]
-            self._published_use(tier.name, [keys[i] for i, _ in hits])
-            for i, payload in hits:
-                results[i] = payload
-                self._promote(keys[i], payload)
-                if tier is self._redis:
-                    self._write_behind(keys[i], payload, to_redis=False)
+        missing = [i for i in missing if results[i] is None]
+        if missing and (self._ssd is not None or self._redis is not None):
+            self._read_lower(keys, results, missing)
         return results
+
+    def _read_lower(self, keys: Sequence[ObjectKey], results: list[bytes | None], missing: list[int]) -> None:
+        """Fill ``results[i]`` for ``missing`` from the SSD, then Redis, promoting each hit
+        to RAM. A key another thread is already reading from them is waited for, not read
+        again: a decoder's prefetch and the prefill of the same turn cost one disk read
+        (and count one hit). A reader finishes its own keys before it waits for others',
+        so two readers of overlapping keys never wait on each other."""
+        own: list[int] = []
+        theirs: list[tuple[int, threading.Event, list]] = []
+        with self._reading_lock:
+            for i in missing:
+                flight = self._reading.get(keys[i])
+                if flight is None:
+                    self._reading[keys[i]] = (threading.Event(), [None])
+                    own.append(i)
+                else:
+                    theirs.append((i, *flight))
+        try:
+            pending = own
+            for tier in (self._ssd, self._redis):
+                pending = [i for i in pending if results[i] is None]
+                if tier is None or not pending:
+                    continue
+                found = tier.get_many([keys[i] for i in pending])
+                hits = [(i, payload) for i, payload in zip(pending, found) if payload is not None]
+                self._published_use(tier.name, [keys[i] for i, _ in hits])
+                for i, payload in hits:
+                    results[i] = payload
+                    self._promote(keys[i], payload)
+                    if tier is self._redis:
+                        self._write_behind(keys[i], payload, to_redis=False)
+        finally:
+            with self._reading_lock:
+                for i in own:
+                    done, box = self._reading.pop(keys[i])
+                    box[0] = results[i]
+                    done.set()
+        for i, done, box in theirs:
+            done.wait()
+            results[i] = box[0]
 
     def read_prefix(self, keys: Sequence[ObjectKey]) -> list[tuple[bytes, TierName]]:
         """Read the longest prefix of ``keys`` this node holds: per key read, its payload

@@ -60,6 +60,41 @@ def test_a_restarted_store_finds_what_it_wrote(tmp_path: Path) -> None:
         assert store.stats().tiers["ssd"].hits == 21
 
 
+def test_concurrent_reads_of_a_key_share_one_disk_read(tmp_path: Path) -> None:
+    # A decoder's prefetch and the prefill of the same turn read the same prefix at once.
+    data = {key: payload(i) for i, key in enumerate(KEYS[:8])}
+    with local_store(tmp_path) as store:
+        for key, value in data.items():
+            store.put(key, value)
+    with local_store(tmp_path) as store:  # RAM empty: every key is on the SSD only
+        read, entered, release = [], threading.Event(), threading.Event()
+        ssd_get_many = store._ssd.get_many
+
+        def slow_disk(keys):  # injected latency: the first reader is still on the disk
+            read.extend(keys)
+            entered.set()
+            release.wait(5)
+            return ssd_get_many(keys)
+
+        store._ssd.get_many = slow_disk
+        keys = list(data)
+        out: dict[str, list] = {}
+        first = threading.Thread(target=lambda: out.setdefault("first", store.get_many(keys)))
+        second = threading.Thread(target=lambda: out.setdefault("second", store.get_many(keys[2:6] + keys[2:3])))
+        first.start()
+        assert entered.wait(5)
+        second.start()
+        second.join(0.3)  # it waits for the first reader's keys rather than reading them again
+        release.set()
+        first.join(5)
+        second.join(5)
+        assert out["first"] == [data[k] for k in keys]
+        assert out["second"] == [data[k] for k in keys[2:6] + keys[2:3]]
+        assert len(read) == len(set(read)) == len(keys)  # each key read from disk once
+        stats = store.stats()
+        assert stats.tiers["ssd"].hits == 8 and stats.objects["ram"] == 8  # promoted once
+
+
 def test_read_prefix_reads_what_lookup_then_get_many_would(tmp_path: Path) -> None:
     """The one-pass prefix read: RAM first, then SSD (promoted), stopping at the first
     key held nowhere; the same payloads and tiers as lookup_prefix + get_many."""
