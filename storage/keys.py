@@ -58,9 +58,10 @@ class Fingerprint:
         return self.digest.hex()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObjectKey:
-    """The name of one stored object: its kind and a 32-byte digest."""
+    """The name of one stored object: its kind and a 32-byte digest. (Slotted: the
+    retention lab keeps one per stored extent, tens of millions.)"""
 
     kind: Kind
     digest: bytes

@@ -347,15 +347,19 @@ class TieredStore:
 
     def sized_state(self) -> dict:
         """What a store of sizes only (``ssd_sizes_only``, no Redis) holds, as plain rows
-        and numbers: the retention lab checkpoints it (no pickle)."""
+        and numbers: the retention lab checkpoints it (no pickle). ``ram`` and ``ssd``
+        are (objects, their rows one at a time): a checkpoint of tens of millions of
+        objects streams them rather than holding a copy."""
         if not self.config.ssd_sizes_only or self._redis is not None:
             raise ValueError("only a store of sizes (ssd_sizes_only, no Redis) has a sized state")
-        return {"ram": self._ram.sized_state(), "ssd": self._ssd.sized_state() if self._ssd is not None else [],
+        return {"ram": (self._ram.usage()[0], self._ram.sized_state()),
+                "ssd": (self._ssd.usage()[0], self._ssd.sized_state()) if self._ssd is not None else (0, iter(())),
                 "counters": {tier.value: asdict(c.snapshot()) for tier, c in self._counters.items()},
                 "gc_runs": self._gc_runs}
 
     def restore_sized(self, state: dict) -> None:
-        """Take back a :meth:`sized_state` into this empty store."""
+        """Take back a :meth:`sized_state` into this empty store (``ram`` and ``ssd``:
+        iterables of rows)."""
         if not self.config.ssd_sizes_only or self.stats().objects.get("ram"):
             raise ValueError("a sized state goes into an empty store of sizes")
         self._ram.restore_sized(state["ram"])

@@ -206,6 +206,31 @@ def test_checkpoints_of_a_big_state_take_a_bounded_share_of_the_run(tmp_path, mo
     assert min(b - a for a, b in itertools.pairwise(saves)) >= 10.0 / module.CHECKPOINT_SHARE - 1e-6
 
 
+def test_a_checkpoint_streams_the_stored_objects(tmp_path, monkeypatch):
+    """A save holds no copy of the state: the million-session V4 run has tens of millions
+    of objects, and a copy of them (~200 B each) was gigabytes on top of the state."""
+    import tracemalloc
+
+    from cluster.cachesim import simulate as module
+    from cluster.cachesim.workload import Profile, synthetic
+
+    monkeypatch.setattr(module, "_ROWS_PER_WRITE", 1000)
+    persisted = Sizes("test", CHUNK_TOKENS, chunk_bytes=1000, window_bytes=5000, persist_windows=True, source="test")
+    config = SimConfig(persisted, ram_bytes=4_000_000, hours=24)
+    with module.Simulator(config) as simulator:
+        simulator.run(synthetic(Profile.named("agent", sessions=1500, hours=24)))
+        objects = sum(simulator.store.stats().objects.values())
+        tracemalloc.start()
+        try:
+            simulator.save(tmp_path / "sim.npz")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        with np.load(tmp_path / "sim.npz") as saved:
+            assert len(saved["ram"]) + len(saved["ssd"]) == objects > 30_000
+    assert peak < 40 * objects  # ~8 B per object here: the batch, the JSON of the rest
+
+
 def test_the_requests_table_adds_up_to_the_totals(tmp_path):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq

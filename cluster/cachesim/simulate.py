@@ -36,9 +36,12 @@ import math
 import struct
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from cluster.cachesim.sizes import Sizes
 from cluster.cachesim.workload import CHUNK_TOKENS, Request, WindowId
@@ -68,6 +71,13 @@ def young_gc_only():
             gc.enable()
 
 _KEY = struct.Struct("<qqq8x")
+# Checkpoints: one row per stored object (digest, kind, size, last use or expiry) and
+# per extent (owner, first chunk, end), written and read this many at a time.
+CHECKPOINT_FORMAT = 2
+_STORED_ROW = struct.Struct("<32sbqd")
+_EXTENT_ROW = struct.Struct("<qqq")
+_STORED_DTYPE = np.dtype([("digest", "V32"), ("kind", "i1"), ("size", "<i8"), ("time", "<f8")])
+_ROWS_PER_WRITE = 1 << 16
 FINGERPRINT = Fingerprint(b"v41-cache-sim\x00\x00\x00")
 
 
@@ -438,47 +448,46 @@ class Simulator:
     # -- checkpoints (scale mode) --------------------------------------------------------
 
     def save(self, path: Path) -> None:
-        """Write the whole state to ``path`` (an .npz: arrays and JSON, no pickle), atomically."""
-        import numpy as np
-
+        """Write the whole state to ``path`` (an .npz: arrays and JSON, no pickle), atomically.
+        The stored objects and extents are streamed into it ``_ROWS_PER_WRITE`` at a time:
+        a save of tens of millions of them adds megabytes to the process, not gigabytes."""
         state = self.store.sized_state()
-        tiers = {}
-        for tier in ("ram", "ssd"):
-            rows = state.pop(tier)
-            tiers[f"{tier}_digests"] = np.frombuffer(b"".join(r[0] for r in rows), dtype=np.uint8).reshape(-1, 32)
-            tiers[f"{tier}_kinds"] = np.array([r[1] for r in rows], dtype=np.int8)
-            tiers[f"{tier}_sizes"] = np.array([r[2] for r in rows], dtype=np.int64)
-            tiers[f"{tier}_times"] = np.array([r[3] for r in rows], dtype=np.float64)
-        extents = np.array([(owner, first, end) for owner, spans in self._extents.items()
-                            for first, (end, _) in spans.items()], dtype=np.int64).reshape(-1, 3)
-        meta = {"config": self._config_fingerprint(), "store": state, "clock": self.clock.now,
-                "totals": asdict(self.totals), "samples": [asdict(s) for s in self.samples],
+        tiers = {tier: state.pop(tier) for tier in ("ram", "ssd")}
+        meta = {"format": CHECKPOINT_FORMAT, "config": self._config_fingerprint(), "store": state,
+                "clock": self.clock.now, "totals": asdict(self.totals), "samples": [asdict(s) for s in self.samples],
                 "pending": [(t, order, _request_fields(r), hit, found) for t, order, r, hit, found in self._pending],
                 "next_gc": self._next_gc, "next_sample": self._next_sample, "order": self._order,
                 "consumed": self._consumed, "wall_s": self._wall_s}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, meta=np.array(json.dumps(meta)), extents=extents, **tiers)
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            with archive.open("meta.npy", "w", force_zip64=True) as out:
+                np.lib.format.write_array(out, np.array(json.dumps(meta)))
+            for tier, (count, rows) in tiers.items():
+                _write_rows(archive, tier, _STORED_DTYPE, (count,), rows, _STORED_ROW)
+            extents = sum(len(spans) for spans in self._extents.values())
+            _write_rows(archive, "extents", np.dtype("<i8"), (extents, 3),
+                        ((owner, first, end) for owner, spans in self._extents.items()
+                         for first, (end, _) in spans.items()), _EXTENT_ROW)
         tmp.replace(path)
 
     def load(self, path: Path) -> None:
         """Take back the state :meth:`save` wrote (into a fresh simulator of the same config)."""
-        import numpy as np
-
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))
+            if meta.get("format") != CHECKPOINT_FORMAT:
+                raise ValueError(f"the checkpoint {path} was written by another version of the simulator "
+                                 "(remove it to start the run over)")
             if meta["config"] != self._config_fingerprint():
                 raise ValueError(f"the checkpoint {path} was written by a run with other settings")
             state = meta["store"]
-            for tier in ("ram", "ssd"):
-                digests = data[f"{tier}_digests"]
-                state[tier] = [(bytes(d), int(k), int(n), float(t)) for d, k, n, t in
-                               zip(digests, data[f"{tier}_kinds"], data[f"{tier}_sizes"], data[f"{tier}_times"])]
-            extents = data["extents"].tolist()
-        self.store.restore_sized(state)
-        self._extents = {}
-        for owner, first, end in extents:
-            self._extents.setdefault(owner, {})[first] = (end, _chunk_key(owner, first))
+            state.update(ram=_stored_rows(data["ram"]), ssd=_stored_rows(data["ssd"]))
+            self.store.restore_sized(state)
+            extents = data["extents"]
+            self._extents = {}
+            for start in range(0, len(extents), _ROWS_PER_WRITE):
+                for owner, first, end in extents[start:start + _ROWS_PER_WRITE].tolist():
+                    self._extents.setdefault(owner, {})[first] = (end, _chunk_key(owner, first))
         self.clock.now = meta["clock"]
         self.totals = Totals(**meta["totals"])
         self.samples = [Sample(**s) for s in meta["samples"]]
@@ -540,6 +549,28 @@ class RequestTable:
         if self._columns["time_s"] or self._writer is None:
             self._flush()
         self._writer.close()
+
+
+def _write_rows(archive: zipfile.ZipFile, name: str, dtype: np.dtype, shape: tuple[int, ...], rows,
+                row: struct.Struct) -> None:
+    """``rows`` (each packed by ``row``) as ``name.npy`` in ``archive``, an array of
+    ``shape`` and ``dtype`` that ``np.load`` reads, without holding them all."""
+    written = 0
+    with archive.open(name + ".npy", "w", force_zip64=True) as out:
+        np.lib.format.write_array_header_2_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                   "fortran_order": False, "shape": shape})
+        while batch := list(itertools.islice(rows, _ROWS_PER_WRITE)):
+            out.write(b"".join(itertools.starmap(row.pack, batch)))
+            written += len(batch)
+    if written != shape[0]:
+        raise RuntimeError(f"checkpoint: {written} {name} rows written, {shape[0]} expected")
+
+
+def _stored_rows(array: np.ndarray):
+    """The rows of a saved tier as :meth:`TieredStore.restore_sized` takes them."""
+    for start in range(0, len(array), _ROWS_PER_WRITE):
+        part = array[start:start + _ROWS_PER_WRITE]
+        yield from zip(part["digest"].tolist(), part["kind"].tolist(), part["size"].tolist(), part["time"].tolist())
 
 
 def _request_fields(request: Request) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from storage.keys import Kind, ObjectKey
 from storage.metrics import TierCounters
@@ -150,11 +150,13 @@ class RamTier(LocalTier):
         with self._lock:
             return len(self._entries), self._bytes
 
-    def sized_state(self) -> list[tuple[bytes, int, int, float]]:
-        """(digest, kind, size, expiry) of every object, least recently used first: what
-        the retention lab's checkpoints keep of a RAM tier whose payloads stand for sizes."""
+    def sized_state(self) -> Iterator[tuple[bytes, int, int, float]]:
+        """(digest, kind, size, expiry) of every object, least recently used first, one
+        at a time (the tier stays locked until they are all taken): what the retention
+        lab's checkpoints keep of a RAM tier whose payloads stand for sizes."""
         with self._lock:
-            return [(digest, int(e.kind), e.size, e.expires) for digest, e in self._entries.items()]
+            for digest, e in self._entries.items():
+                yield digest, int(e.kind), e.size, e.expires
 
     def restore_sized(self, rows) -> None:
         """Hold ``rows`` (as :meth:`sized_state` gives them) as sized payloads, in that order."""

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from storage.codec import HEADER_BYTES, Codec, CorruptObject
@@ -399,11 +399,13 @@ class SizedSsdTier(SsdTier):
     def _path(self, hex_digest: str, kind: Kind) -> str:
         return ""  # a medium without files
 
-    def sized_state(self) -> list[tuple[bytes, int, int, float]]:
-        """(digest, kind, size, last use) of every object, least recently used first (the
-        retention lab's checkpoints)."""
+    def sized_state(self) -> Iterator[tuple[bytes, int, int, float]]:
+        """(digest, kind, size, last use) of every object, least recently used first, one
+        at a time (the tier stays locked until they are all taken): the retention lab's
+        checkpoints."""
         with self._lock:
-            return [(digest, int(e.kind), e.size, e.last_used) for digest, e in self._index.items()]
+            for digest, e in self._index.items():
+                yield digest, int(e.kind), e.size, e.last_used
 
     def restore_sized(self, rows) -> None:
         """Hold ``rows`` (as :meth:`sized_state` gives them), in that order."""
