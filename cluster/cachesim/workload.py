@@ -225,26 +225,32 @@ def synthetic(profile: Profile) -> Iterator[Request]:
     zipf = _zipf_table(profile.system_prompts, profile.system_zipf)
     system_lengths = [max(1, int(profile.system_tokens.draw(rng))) for _ in range(profile.system_prompts)]
     starts = _arrivals(rng, profile.sessions, profile.hours * 3600.0, profile.daily_amplitude)
-    # Sessions in start order; the heap holds only the started ones and the next (a heap
-    # of every session made each pop cost log2 of the whole population).
-    waiting: list[tuple[float, int, _Session]] = []
-    for index, start in enumerate(starts):
+    # Each session's opening draws, in session order; a session is built when it starts
+    # and let go when it ends (a million sessions' histories would hold gigabytes).
+    openings = []
+    for _ in range(profile.sessions):
         system = int(np.searchsorted(zipf, rng.random()))
+        turns = min(profile.max_turns, max(1, round(profile.turns.draw(rng))))
+        openings.append((system, turns, max(1, int(profile.first_message_tokens.draw(rng)))))
+
+    def session(index: int) -> _Session:
+        system, turns, first_message = openings[index]
+        openings[index] = None
         tokens = system_lengths[system]
         # The chunks wholly inside the system prompt are shared by every session using it.
         lineage = [(_owner(-1, system), 0), (_owner(index, 0), tokens)]
-        turns = min(profile.max_turns, max(1, round(profile.turns.draw(rng))))
-        session = _Session(index, turns, system, tokens, lineage,
-                           tokens + max(1, int(profile.first_message_tokens.draw(rng))), [])
-        waiting.append((float(start), index, session))
-    heap = waiting[:1]  # the started sessions and the next to start
-    started = 0
+        return _Session(index, turns, system, tokens, lineage, tokens + first_message, [])
+
+    # The heap holds the started sessions and the next to start (a heap of every session
+    # made each pop cost log2 of the whole population).
+    heap = [(float(starts[0]), 0, session(0))] if profile.sessions else []
+    started = 0  # sessions whose first turn has been taken
     while heap:
         time_s, _, s = heapq.heappop(heap)
-        if started < len(waiting) and s is waiting[started][2]:  # it started: the next one joins
+        if s.index == started:  # its first turn (sessions start in index order): the next one joins
             started += 1
-            if started < len(waiting):
-                heapq.heappush(heap, waiting[started])
+            if started < profile.sessions:
+                heapq.heappush(heap, (float(starts[started]), started, session(started)))
         prompt = min(s.tokens, profile.max_prompt_tokens)
         output = max(1, int(profile.output_tokens.draw(rng)))
         end = prompt + output
