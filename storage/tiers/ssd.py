@@ -150,13 +150,17 @@ class SsdTier(LocalTier):
         except FileNotFoundError:
             pass
 
+    def _delete(self, key: ObjectKey, kind: Kind) -> None:
+        """Remove the object's file (the medium's part of a drop)."""
+        self._unlink(self._path(key.hex, kind))
+
     def _drop(self, key: ObjectKey, entry: _Entry, reason: str | None) -> None:
         """Forget ``entry`` (if still current) and delete its file; ``reason`` names the counter."""
         with self._lock:
             if self._index.get(key.digest) is entry:
                 del self._index[key.digest]
                 self._bytes -= entry.size
-        self._unlink(self._path(key.hex, entry.kind))
+        self._delete(key, entry.kind)
         if reason:
             self._counters.add(**{reason: 1})
         self._on_drop(key)
@@ -245,7 +249,6 @@ class SsdTier(LocalTier):
                 entry.last_used = now
                 self._index.move_to_end(key.digest)
                 return True
-        header = self._header(key, payload)
         size = HEADER_BYTES + len(payload)
         capacity = self._policy.ssd_capacity_bytes
         if capacity is not None:
@@ -253,17 +256,7 @@ class SsdTier(LocalTier):
                 self._counters.add(write_errors=1)
                 return False
             self._evict(self._bytes + size - capacity)
-        path = self._path(key.hex, key.kind)
-        for _ in range(4):
-            try:
-                self._write_atomic(path, header, payload, now)
-                break
-            except OSError as error:
-                if error.errno in _DISK_FULL and self._evict(max(size, self._bytes // 100)):
-                    continue  # made room: try again
-                self._counters.add(write_errors=1)
-                return False
-        else:
+        if not self._write(key, payload, size, now):
             self._counters.add(write_errors=1)
             return False
         with self._lock:
@@ -273,8 +266,20 @@ class SsdTier(LocalTier):
         self._counters.writes(1, size)
         return True
 
-    def _header(self, key: ObjectKey, payload: bytes) -> bytes:
-        return self._codec.header(key, payload)
+    def _write(self, key: ObjectKey, payload: bytes, size: int, now: float) -> bool:
+        """Put the object's file in place (the medium's part of a put); False if it could
+        not be written, even after evicting to make room on a full disk."""
+        header = self._codec.header(key, payload)
+        path = self._path(key.hex, key.kind)
+        for _ in range(4):
+            try:
+                self._write_atomic(path, header, payload, now)
+                return True
+            except OSError as error:
+                if error.errno in _DISK_FULL and self._evict(max(size, self._bytes // 100)):
+                    continue  # made room: try again
+                return False
+        return False
 
     def _write_atomic(self, path: str, header: bytes, payload: bytes, now: float) -> None:
         directory, _, name = path.rpartition("/")
@@ -396,8 +401,8 @@ class SizedSsdTier(SsdTier):
     def _scan(self) -> None:
         pass  # no files: an empty medium
 
-    def _path(self, hex_digest: str, kind: Kind) -> str:
-        return ""  # a medium without files
+    def _delete(self, key: ObjectKey, kind: Kind) -> None:
+        pass  # no file
 
     def sized_state(self) -> Iterator[tuple[bytes, int, int, float]]:
         """(digest, kind, size, last use) of every object, least recently used first, one
@@ -414,18 +419,11 @@ class SizedSsdTier(SsdTier):
                 self._index[digest] = _Entry(Kind(kind), size, last_used, last_used)
                 self._bytes += size
 
-    def _header(self, key: ObjectKey, payload: bytes) -> bytes:
-        return b""  # (its size is still counted: HEADER_BYTES)
-
-    def _write_atomic(self, path: str, header: bytes, payload: bytes, now: float) -> None:
-        pass
+    def _write(self, key: ObjectKey, payload: bytes, size: int, now: float) -> bool:
+        return True  # nothing to write (the size, header included, is what counts)
 
     def _read(self, key: ObjectKey, entry: _Entry, now: float) -> bytes | None:
         return SizedPayload(entry.size - HEADER_BYTES)
-
-    @staticmethod
-    def _unlink(path: str) -> None:
-        pass
 
     def _remove_temp_files(self) -> None:
         pass
