@@ -285,11 +285,13 @@ class DecoderPool:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[request_id] = queue
+        finished = False  # the batch let go of it on its own
         try:
             handoff, first = await loop.run_in_executor(self.executor, admit)
             timeline = {**handoff.timeline, "admitted": admitted, "decode_out": time.time()}
             stored = {}
             if first.finish_reason is not None:
+                finished = True
                 leave_batch()
                 stored = await self._store_conversation(request_id)
             yield {**stored, "cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
@@ -306,6 +308,7 @@ class DecoderPool:
                     raise event
                 stored = {}
                 if event.finish_reason is not None:
+                    finished = True
                     leave_batch()  # its place is free while the conversation is stored
                     stored = await self._store_conversation(request_id)
                 yield {**dataclasses.asdict(event), **stored}
@@ -313,7 +316,13 @@ class DecoderPool:
                     return
         finally:
             self.queues.pop(request_id, None)
-            if request_id in self.service.batcher.running:  # client gone: drop the request
+            if not finished:
+                # Client gone, or a failure: drop the request from the batch. On the engine
+                # thread, which runs its jobs in order: a client that left while its
+                # admission was still queued there must not leave behind a request that
+                # holds a place in the batch without a slot (the next admission would find
+                # the batch full: a 503 under load). The cancel is queued before this
+                # generator ends and frees the slot, so before any later admission.
                 await loop.run_in_executor(self.executor, self.service.cancel, request_id)
             self.service.forget(request_id)  # finished, but its client left before the end
 

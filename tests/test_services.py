@@ -262,3 +262,62 @@ def test_the_plans_window_list_spares_store_calls(pools, golden_prompts):
     counting.calls.clear()
     cold = prefill.prefill(CachePlan(tuple(golden_prompts[1][:40]), 0, (), ()))
     assert counting.calls == [] and cold.cached_tokens == 0
+
+
+def test_a_client_gone_while_its_admission_waits_leaves_no_request_in_the_batch(pools, golden_prompts):
+    """The decoder pool's queueing (without Ray): a batch of one place. Request a takes the
+    place and its admission starts on the engine thread, slowly (an injected stall, as on a
+    starved machine); its client leaves. Request b must then get the place and be admitted:
+    before, a's finally saw a not yet in the batch and freed the place, a's admission then
+    put it in the batch, and b found the batch full (a 503 in the 64-client test under load)."""
+    import asyncio
+    import threading
+
+    from actors.decoder import DecoderPool
+    from actors.replica import one_thread_executor
+    from cluster.metrics import DecoderMetrics
+
+    engine, store, naming = pools
+    pool = object.__new__(DecoderPool.func_or_class)
+    pool.service = DecoderService(engine, store, naming, max_batch=1)
+    pool.executor, pool.queues, pool.queued, pool.stepping, pool.node_id = one_thread_executor(), {}, 0, None, "n1"
+    pool.metrics = DecoderMetrics()
+    prefill = PrefillService(engine, store, naming)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+
+    stall = threading.Event()
+
+    def admission(request_id):
+        handoff = prefill.prefill(CachePlan(tuple(golden_prompts[0][:40]), 0), in_process=True)
+
+        def admit():
+            if request_id == "a":
+                stall.wait(30)
+            return handoff, pool.service.admit(request_id, handoff, params)
+        return admit
+
+    async def first_event(request_id):
+        events = pool._decode(request_id, admission(request_id))
+        try:
+            return await events.__anext__()
+        finally:
+            await events.aclose()
+
+    async def scenario():
+        pool.slots = asyncio.Semaphore(1)
+        gone = asyncio.create_task(first_event("a"))
+        await asyncio.sleep(0.2)  # a has the place; its admission runs on the engine thread
+        gone.cancel()  # its client leaves
+        later = asyncio.create_task(first_event("b"))
+        await asyncio.sleep(0.2)
+        stall.set()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return await asyncio.wait_for(later, 60)
+
+    try:
+        event = asyncio.run(scenario())
+    finally:
+        pool.executor.shutdown(wait=True)
+    assert event["prompt_tokens"] == 40 and event["finish_reason"] is None
+    assert pool.service.running == 0  # both left the batch: a cancelled, b closed after its first token
