@@ -169,16 +169,24 @@ class TieredStore:
         to_redis = to_redis and self._redis is not None and self._retention[TierName.REDIS][key.kind] is not None
         if not (to_ssd or to_redis):
             return
-        if not self.config.write_behind:
-            self._write_lower([WriteJob(key, data, to_ssd, to_redis)])
-        elif not self._writer.submit(WriteJob(key, data, to_ssd, to_redis)):
-            self._counters[TierName.SSD if to_ssd else TierName.REDIS].add(write_errors=1)
+        if self.config.write_behind:
+            if not self._writer.submit(WriteJob(key, data, to_ssd, to_redis)):
+                self._counters[TierName.SSD if to_ssd else TierName.REDIS].add(write_errors=1)
+            return
+        if to_ssd:  # on the caller's thread (the retention lab: no job to build)
+            self._write_ssd(key, data)
+        if to_redis:
+            self._write_lower([WriteJob(key, data, False, True)])
+
+    def _write_ssd(self, key: ObjectKey, payload: bytes) -> None:
+        if self._ssd.put(key, payload):
+            self._publish(key, self._here[TierName.SSD])
 
     def _write_lower(self, jobs: Sequence[WriteJob]) -> None:
         """The write-behind sink: files one by one, Redis in one pipeline."""
         for job in jobs:
-            if job.to_ssd and self._ssd.put(job.key, job.payload):
-                self._publish(job.key, self._here[TierName.SSD])
+            if job.to_ssd:
+                self._write_ssd(job.key, job.payload)
         shared = [(job.key, job.payload) for job in jobs if job.to_redis]
         if shared:
             for (key, _), stored in zip(shared, self._redis.put_many(shared)):

@@ -20,7 +20,7 @@ from storage.keys import ObjectKey
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WriteJob:
     """One object for the lower tiers, and which of them to write."""
 
