@@ -122,6 +122,22 @@ def test_a_session_is_held_only_while_it_runs():
     assert started > 500 and live < started / 3  # 177 of 845 here; every one of 2000 was held before
 
 
+def test_the_agenda_gives_the_earliest_turn_and_equal_times_in_session_order():
+    from cluster.cachesim.workload import _Agenda
+
+    sessions = [_Session(i, 1, 0, 0, [], 0, []) for i in range(5)]
+    agenda = _Agenda()
+    for time_s, index in ((5.0, 2), (5.0, 4), (3.0, 3), (5.0, 0), (9.0, 1)):
+        agenda.push(time_s, sessions[index])
+    popped = []
+    while agenda:
+        time_s, session = agenda.pop()
+        popped.append((time_s, session.index))
+        if popped == [(3.0, 3), (5.0, 0)]:
+            agenda.push(5.0, sessions[0])  # due again at once: before the others due then (lower index)
+    assert popped == [(3.0, 3), (5.0, 0), (5.0, 0), (5.0, 2), (5.0, 4), (9.0, 1)]
+
+
 def test_sessions_with_the_same_system_prompt_share_its_chunks():
     requests = list(synthetic(Profile.named("chat", sessions=400, hours=2, system_prompts=3, seed=1)))
     first_turns = {}

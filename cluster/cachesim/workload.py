@@ -213,6 +213,46 @@ class _Session:
     resume: WindowId | None = None
 
 
+class _Agenda:
+    """Sessions by the time of their next turn, earliest first; sessions due at the same
+    time in session order (as a heap of (time, index, session) gave them). A heap of
+    bare times and the sessions due at each: a float comparison costs a fraction of a
+    tuple's, and a pop makes ~2 log2(n) of them (~5 us of a million-session run's ~75
+    per request went to the tuple heap)."""
+
+    __slots__ = ("_due", "_times")
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+        self._due: dict[float, _Session | list[_Session]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._times)
+
+    def push(self, time_s: float, session: _Session) -> None:
+        due = self._due.get(time_s)
+        if due is None:
+            self._due[time_s] = session
+            heapq.heappush(self._times, time_s)
+        elif isinstance(due, list):
+            due.append(session)
+        else:
+            self._due[time_s] = [due, session]
+
+    def pop(self) -> tuple[float, _Session]:
+        time_s = self._times[0]
+        due = self._due[time_s]
+        if not isinstance(due, list):
+            heapq.heappop(self._times)
+            del self._due[time_s]
+            return time_s, due
+        first = min(due, key=lambda session: session.index)
+        due.remove(first)
+        if len(due) == 1:
+            self._due[time_s] = due[0]
+        return time_s, first
+
+
 def _zipf_table(n: int, s: float) -> np.ndarray:
     weights = 1.0 / np.arange(1, n + 1) ** s
     return np.cumsum(weights / weights.sum())
@@ -241,16 +281,18 @@ def synthetic(profile: Profile) -> Iterator[Request]:
         lineage = [(_owner(-1, system), 0), (_owner(index, 0), tokens)]
         return _Session(index, turns, system, tokens, lineage, tokens + first_message, [])
 
-    # The heap holds the started sessions and the next to start (a heap of every session
+    # The agenda holds the started sessions and the next to start (one of every session
     # made each pop cost log2 of the whole population).
-    heap = [(float(starts[0]), 0, session(0))] if profile.sessions else []
+    agenda = _Agenda()
+    if profile.sessions:
+        agenda.push(float(starts[0]), session(0))
     started = 0  # sessions whose first turn has been taken
-    while heap:
-        time_s, _, s = heapq.heappop(heap)
+    while agenda:
+        time_s, s = agenda.pop()
         if s.index == started:  # its first turn (sessions start in index order): the next one joins
             started += 1
             if started < profile.sessions:
-                heapq.heappush(heap, (float(starts[started]), started, session(started)))
+                agenda.push(float(starts[started]), session(started))
         prompt = min(s.tokens, profile.max_prompt_tokens)
         output = max(1, int(profile.output_tokens.draw(rng)))
         end = prompt + output
@@ -277,7 +319,7 @@ def synthetic(profile: Profile) -> Iterator[Request]:
         else:
             gap = profile.human_gap_s.draw(rng)
         answered = prompt / profile.prefill_tokens_per_s + output / profile.decode_tokens_per_s
-        heapq.heappush(heap, (time_s + answered + gap, s.index, s))
+        agenda.push(time_s + answered + gap, s)
 
 
 def _arrivals(rng: np.random.Generator, n: int, span_s: float, amplitude: float) -> np.ndarray:
