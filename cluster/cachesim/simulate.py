@@ -52,7 +52,7 @@ from storage.store import StoreConfig, TieredStore
 from storage.tiers.ssd import SizedPayload
 
 YOUNG_GC_EVERY = 100_000  # requests between the loop's own collections of the young generations
-CHECKPOINT_SHARE = 0.05  # of a run's wall time, at most, spent writing checkpoints
+CHECKPOINT_SHARE = 0.02  # of a run's wall time, at most, spent writing checkpoints
 
 
 @contextlib.contextmanager

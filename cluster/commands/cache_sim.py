@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--model", type=Path, default=None, help="config directory the sizes come from "
                      "(default: the released V4.1-Flash config)")
     run.add_argument("--checkpoint-dir", type=Path, default=Path(".v41/cache-sim"),
-                     help="scale mode: save each policy's state here every minute; the same command run again "
+                     help="scale mode: save each policy's state here every two minutes or more; the same command run again "
                           "resumes from it (removed when a run ends)")
     run.add_argument("--no-checkpoint", action="store_true", help="do not save or resume")
     run.add_argument("--out", type=Path, default=None, help="write summary.json and samples.parquet (the tiers "
@@ -157,7 +157,7 @@ def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, check
     from cluster.cachesim.simulate import RequestTable
 
     table = RequestTable(Path(table_path)) if table_path else None
-    result = simulate(config, _requests(spec), progress, checkpoint=checkpoint, checkpoint_every_s=60.0, table=table)
+    result = simulate(config, _requests(spec), progress, checkpoint=checkpoint, checkpoint_every_s=120.0, table=table)
     if table is not None:
         table.close()
     if show_progress:
