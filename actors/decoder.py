@@ -319,9 +319,9 @@ class DecoderPool:
             if not finished:
                 # Client gone, or a failure: drop the request from the batch. On the engine
                 # thread, which runs its jobs in order: a client that left while its
-                # admission was still queued there must not leave behind a request that
-                # holds a place in the batch without a slot (the next admission would find
-                # the batch full: a 503 under load). The cancel is queued before this
+                # admission was running there must not leave behind a request that holds
+                # a place in the batch without a slot (the next admission would find the
+                # batch full: a 503 under load). The cancel is queued before this
                 # generator ends and frees the slot, so before any later admission.
                 await loop.run_in_executor(self.executor, self.service.cancel, request_id)
             self.service.forget(request_id)  # finished, but its client left before the end
