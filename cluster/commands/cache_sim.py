@@ -59,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--model", type=Path, default=None, help="config directory the sizes come from "
                      "(default: the released V4.1-Flash config)")
     run.add_argument("--checkpoint-dir", type=Path, default=Path(".v41/cache-sim"),
-                     help="scale mode: save each policy's state here every two minutes or more; the same command run again "
-                          "resumes from it (removed when a run ends)")
+                     help="scale mode: save each policy's state here every two minutes or more; the same command "
+                          "run again resumes from it (removed when a run ends)")
     run.add_argument("--no-checkpoint", action="store_true", help="do not save or resume")
     run.add_argument("--out", type=Path, default=None, help="write summary.json and samples.parquet (the tiers "
                      "each virtual hour, per policy) here")
