@@ -153,40 +153,42 @@ class TieredStore:
 
     # -- writes ------------------------------------------------------------------------
 
-    def put(self, key: ObjectKey, payload: bytes | bytearray | memoryview) -> None:
+    def put(self, key: ObjectKey, payload: bytes | bytearray | memoryview, *, replace: bool = False) -> None:
         """Store ``payload`` under ``key``. Returns at once; lower tiers are written behind.
 
         Never raises for storage trouble. Window states go to RAM only unless the
         policy persists them. The bytes are copied only if they are not ``bytes``.
+        ``replace``: the key now stands for other bytes (the retention lab grows an
+        extent under one key), so the SSD rewrites a copy it holds instead of keeping it.
         """
         data = payload if isinstance(payload, bytes) else bytes(payload)
         if self._ram.put(key, data):
             self._publish(key, self._here[TierName.RAM])
-        self._write_behind(key, data, to_redis=True)
+        self._write_behind(key, data, to_redis=True, replace=replace)
 
-    def _write_behind(self, key: ObjectKey, data: bytes, *, to_redis: bool) -> None:
+    def _write_behind(self, key: ObjectKey, data: bytes, *, to_redis: bool, replace: bool = False) -> None:
         to_ssd = self._ssd is not None and self._retention[TierName.SSD][key.kind] is not None
         to_redis = to_redis and self._redis is not None and self._retention[TierName.REDIS][key.kind] is not None
         if not (to_ssd or to_redis):
             return
         if self.config.write_behind:
-            if not self._writer.submit(WriteJob(key, data, to_ssd, to_redis)):
+            if not self._writer.submit(WriteJob(key, data, to_ssd, to_redis, replace)):
                 self._counters[TierName.SSD if to_ssd else TierName.REDIS].add(write_errors=1)
             return
         if to_ssd:  # on the caller's thread (the retention lab: no job to build)
-            self._write_ssd(key, data)
+            self._write_ssd(key, data, replace)
         if to_redis:
             self._write_lower([WriteJob(key, data, False, True)])
 
-    def _write_ssd(self, key: ObjectKey, payload: bytes) -> None:
-        if self._ssd.put(key, payload):
+    def _write_ssd(self, key: ObjectKey, payload: bytes, replace: bool = False) -> None:
+        if self._ssd.put(key, payload, replace):
             self._publish(key, self._here[TierName.SSD])
 
     def _write_lower(self, jobs: Sequence[WriteJob]) -> None:
         """The write-behind sink: files one by one, Redis in one pipeline."""
         for job in jobs:
             if job.to_ssd:
-                self._write_ssd(job.key, job.payload)
+                self._write_ssd(job.key, job.payload, job.replace)
         shared = [(job.key, job.payload) for job in jobs if job.to_redis]
         if shared:
             for (key, _), stored in zip(shared, self._redis.put_many(shared)):

@@ -28,6 +28,7 @@ class WriteJob:
     payload: bytes
     to_ssd: bool
     to_redis: bool
+    replace: bool = False  # the SSD rewrites a copy it holds (``TieredStore.put``)
 
 
 class WriteBehind:

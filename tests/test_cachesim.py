@@ -128,13 +128,11 @@ def test_a_restart_loses_ram_and_the_ssd_serves_the_next_turn():
 
 
 def test_a_measured_turn_end_decides_when_its_chunks_are_stored():
-    import dataclasses
-
     first, second = _turns(0.0, 60.0)
     # The first turn ended (as measured) after the second arrived: nothing to hit yet.
-    late = _run([dataclasses.replace(first, done_s=61.0), second]).totals
+    late = _run([first._replace(done_s=61.0), second]).totals
     assert late.hit_tokens_ram == 0 and late.window_hits_ram == 0
-    early = _run([dataclasses.replace(first, done_s=59.0), second]).totals
+    early = _run([first._replace(done_s=59.0), second]).totals
     assert early.hit_tokens_ram == 5 * CHUNK_TOKENS and early.window_hits_ram == 1
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from storage.codec import HEADER_BYTES
 from storage.keys import Fingerprint, Kind, chunk_keys, window_key
 from storage.policy import RetentionPolicy
 from storage.store import StoreConfig, TieredStore
@@ -248,6 +249,26 @@ def test_ssd_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
         store.flush()
         assert store.get(KEYS[1]) is None and store.get(KEYS[0]) is not None
         assert store.stats().bytes_stored["ssd"] <= 5 * 3080
+
+
+def test_a_replacing_put_rewrites_the_ssd_copy_where_a_plain_put_keeps_it(tmp_path: Path) -> None:
+    # The retention lab grows an extent under one key: ``put(..., replace=True)``.
+    old, new = payload(1), payload(2, 6000)
+    with local_store(tmp_path, ram_capacity_bytes=0, ssd_capacity_bytes=10_000) as store:
+        store.put(KEYS[0], old)
+        store.put(KEYS[0], new)  # a plain put: same key, so the same bytes are already there
+        store.flush()
+        assert store.get(KEYS[0]) == old
+        store.put(KEYS[0], new, replace=True)
+        store.flush()
+        assert store.get(KEYS[0]) == new and len(files(tmp_path)) == 1
+        assert store.stats().bytes_stored["ssd"] == HEADER_BYTES + 6000
+        # A replacement the disk cannot take: the stale copy goes too (a miss, never the old bytes).
+        store.put(KEYS[0], payload(3, 20_000), replace=True)
+        store.flush()
+        assert store.get(KEYS[0]) is None and files(tmp_path) == []
+        stats = store.stats()
+        assert stats.bytes_stored["ssd"] == 0 and stats.tiers["ssd"].write_errors == 1
 
 
 def test_racing_writers_in_one_store_leave_one_whole_value(tmp_path: Path) -> None:

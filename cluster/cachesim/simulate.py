@@ -250,19 +250,22 @@ class Simulator:
         keys, spans = self._extent_keys(request.runs)
         read = self.store.read_prefix(keys) if keys else ()
         totals = self.totals
-        chunks = {TierName.RAM: 0, TierName.SSD: 0}
+        ram = ssd = 0  # chunks found in each
         extents = []
         for (_, tier), (owner, first, size, used) in zip(read, spans):
-            chunks[tier] += used
+            if tier is TierName.RAM:
+                ram += used
+            else:
+                ssd += used
             totals.partial_extent_reads += used < size
             extents.append((owner, first, first + size))
-        hit_chunks = chunks[TierName.RAM] + chunks[TierName.SSD]
+        hit_chunks = ram + ssd
         totals.requests += 1
         totals.input_tokens += request.input_tokens
-        totals.hit_tokens_ram += chunks[TierName.RAM] * CHUNK_TOKENS
-        totals.hit_tokens_ssd += chunks[TierName.SSD] * CHUNK_TOKENS
-        totals.requests_hit_ram += chunks[TierName.RAM] > 0
-        totals.requests_hit_ssd += chunks[TierName.SSD] > 0
+        totals.hit_tokens_ram += ram * CHUNK_TOKENS
+        totals.hit_tokens_ssd += ssd * CHUNK_TOKENS
+        totals.requests_hit_ram += ram > 0
+        totals.requests_hit_ssd += ssd > 0
         resume_at = hit_chunks * CHUNK_TOKENS
         resume = request.resume
         if resume is not None and hit_chunks >= resume[1] // CHUNK_TOKENS and resume[1] >= resume_at:
@@ -309,14 +312,15 @@ class Simulator:
 
     def _put_extent(self, owner: int, first: int, end: int, new: int) -> None:
         # Extents of this owner overlapping the new one are stale (a prefix before them
-        # was gone) or grow into it: the new one replaces them.
+        # was gone) or grow into it: the new one replaces them. One that starts where it
+        # does has its key: that object is rewritten in place (as a remove and a put would).
         extents = self._extents.get(owner)
         if extents is not None:
-            for start in [s for s, (e, _) in extents.items() if s < end and e > first]:
+            for start in [s for s, (e, _) in extents.items() if s < end and e > first and s != first]:
                 self.store.remove(extents.pop(start)[1])  # (the drop callback may forget the owner)
         key = _chunk_key(owner, first)
         self._extents.setdefault(owner, {})[first] = (end, key)
-        self.store.put(key, self._payload((end - first) * self._chunk_size))
+        self.store.put(key, self._payload((end - first) * self._chunk_size), replace=True)
         self.totals.chunk_bytes_written += new * self._chunk_size
 
     def _extent_keys(self, runs) -> tuple[list[ObjectKey], list[tuple[int, int, int, int]]]:
@@ -574,7 +578,7 @@ def _stored_rows(array: np.ndarray):
 
 
 def _request_fields(request: Request) -> dict:
-    return asdict(request)
+    return request._asdict()
 
 
 def _request_of(fields: dict) -> Request:

@@ -238,26 +238,35 @@ class SsdTier(LocalTier):
                 pass  # a later read retries; the in-memory time is still exact
         return payload
 
-    def put(self, key: ObjectKey, payload: bytes) -> bool:
+    def put(self, key: ObjectKey, payload: bytes, replace: bool = False) -> bool:
+        """``replace``: the key's bytes changed (the retention lab's extents grow under
+        one key): a stored copy is rewritten, as a ``remove`` then ``put`` would, instead
+        of counting as a use. Its file is overwritten in place, or deleted if the write fails."""
         if self._retention[key.kind] is None:
             return False
         now = self._clock()
+        replaced = None
         with self._lock:
             entry = self._index.get(key.digest)
-            if entry is not None and entry.kind is key.kind and now - entry.last_used <= self._retention[key.kind]:
-                # Same key, same tokens, same model: the bytes are already here.
-                entry.last_used = now
-                self._index.move_to_end(key.digest)
-                return True
+            if entry is not None and entry.kind is key.kind:
+                if replace:
+                    replaced = self._index.pop(key.digest)
+                    self._bytes -= replaced.size
+                elif now - entry.last_used <= self._retention[key.kind]:
+                    # Same key, same tokens, same model: the bytes are already here.
+                    entry.last_used = now
+                    self._index.move_to_end(key.digest)
+                    return True
         size = HEADER_BYTES + len(payload)
         capacity = self._policy.ssd_capacity_bytes
-        if capacity is not None:
-            if size > capacity:
-                self._counters.add(write_errors=1)
-                return False
+        fits = capacity is None or size <= capacity
+        if fits and capacity is not None:
             self._evict(self._bytes + size - capacity)
-        if not self._write(key, payload, size, now):
+        if not (fits and self._write(key, payload, size, now)):
             self._counters.add(write_errors=1)
+            if replaced is not None:  # the old copy is stale: it goes
+                self._delete(key, replaced.kind)
+                self._on_drop(key)
             return False
         with self._lock:
             old = self._index.pop(key.digest, None)
