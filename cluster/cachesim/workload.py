@@ -354,10 +354,10 @@ def _runs(lineage: list[tuple[int, int]], lo: int, hi: int) -> tuple[Run, ...]:
         start = first // CHUNK_TOKENS
         if start >= hi:  # segments start in order: none after this one is inside
             break
-        if start < lo:
+        if start < lo:  # noqa: PLR1730 (a call to max costs more)
             start = lo
         end = lineage[k + 1][1] // CHUNK_TOKENS if k < last else hi
-        if end > hi:
+        if end > hi:  # noqa: PLR1730
             end = hi
         if end > start:
             runs.append((owner, start, end))
