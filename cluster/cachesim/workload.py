@@ -27,7 +27,7 @@ import hashlib
 import heapq
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -44,6 +44,7 @@ CHUNK_TOKENS = 128  # the store's chunk: four per trace block
 
 Run = tuple[int, int, int]  # (owner, first index, end index): the chunks (owner, i), first <= i < end
 WindowId = tuple[int, int]  # (owner of the last token before it, its position in tokens)
+Lineage = tuple[tuple[int, int], ...]  # a prompt's segments: (owner, first token it owns), by position
 
 
 class Request(NamedTuple):
@@ -201,15 +202,15 @@ def _owner(*parts: int) -> int:
     return int.from_bytes(digest, "little") >> 2 | 1 << 61
 
 
-@dataclass
+@dataclass(slots=True)
 class _Session:
     index: int
     turns_left: int
     system: int  # which system prompt
     system_tokens: int
-    lineage: list[tuple[int, int]]  # (owner, first token it owns), by position
+    lineage: Lineage  # never changed (a fork makes a new one): earlier turns' ends share it
     tokens: int  # prompt length of the next turn (system + history + new message)
-    ends: list[tuple[int, tuple[tuple[int, int], ...]]]  # each earlier turn's end and lineage, for forks
+    ends: list[tuple[int, Lineage]]  # each earlier turn's end and lineage, for forks
     branches: int = 0
     resume: WindowId | None = None
 
@@ -279,7 +280,7 @@ def synthetic(profile: Profile) -> Iterator[Request]:
         openings[index] = None
         tokens = system_lengths[system]
         # The chunks wholly inside the system prompt are shared by every session using it.
-        lineage = [(_owner(-1, system), 0), (_owner(index, 0), tokens)]
+        lineage = ((_owner(-1, system), 0), (_owner(index, 0), tokens))
         return _Session(index, turns, system, tokens, lineage, tokens + first_message, [])
 
     # The agenda holds the started sessions and the next to start (one of every session
@@ -288,39 +289,53 @@ def synthetic(profile: Profile) -> Iterator[Request]:
     if profile.sessions:
         agenda.push(float(starts[0]), session(0))
     started = 0  # sessions whose first turn has been taken
+    # The loop's draws and constants, bound once (the same arithmetic as LogNormal.draw).
+    random = rng.random
+    draw_output, draw_message, draw_return, draw_tool, draw_human = (
+        _drawer(d, rng) for d in (profile.output_tokens, profile.message_tokens, profile.return_gap_hours,
+                                  profile.tool_gap_s, profile.human_gap_s))
+    max_prompt, fork_share = profile.max_prompt_tokens, profile.fork_share
+    return_share, tool_share = profile.return_share, profile.tool_share
+    prefill_rate, decode_rate = profile.prefill_tokens_per_s, profile.decode_tokens_per_s
     while agenda:
         time_s, s = agenda.pop()
         if s.index == started:  # its first turn (sessions start in index order): the next one joins
             started += 1
             if started < profile.sessions:
                 agenda.push(float(starts[started]), session(started))
-        prompt = min(s.tokens, profile.max_prompt_tokens)
-        output = max(1, int(profile.output_tokens.draw(rng)))
+        prompt = min(s.tokens, max_prompt)
+        output = max(1, int(draw_output()))
         end = prompt + output
-        yield Request(time_s, _runs(s.lineage, 0, prompt // CHUNK_TOKENS), prompt, output, s.index,
-                      _runs(s.lineage, prompt // CHUNK_TOKENS, end // CHUNK_TOKENS), _window(s.lineage, end),
-                      s.resume)
+        lineage = s.lineage
+        yield Request(time_s, _runs(lineage, 0, prompt // CHUNK_TOKENS), prompt, output, s.index,
+                      _runs(lineage, prompt // CHUNK_TOKENS, end // CHUNK_TOKENS), _window(lineage, end), s.resume)
         s.turns_left -= 1
         if s.turns_left <= 0:
             continue
         grown = end
-        s.ends.append((grown, tuple(s.lineage)))
-        if len(s.ends) > 1 and rng.random() < profile.fork_share:
+        ends = s.ends
+        ends.append((grown, lineage))
+        if len(ends) > 1 and random() < fork_share:
             # Continue from an earlier turn's end, on a new branch from there on.
-            grown, lineage = s.ends[int(rng.integers(0, len(s.ends) - 1))]
+            grown, earlier = ends[int(rng.integers(0, len(ends) - 1))]
             s.branches += 1
-            s.lineage = [(owner, first) for owner, first in lineage if first < grown]
-            s.lineage.append((_owner(s.index, s.branches), grown))
-        s.resume = _window(s.lineage, grown)
-        s.tokens = grown + max(1, int(profile.message_tokens.draw(rng)))
-        if rng.random() < profile.return_share:
-            gap = 3600.0 * profile.return_gap_hours.draw(rng)
-        elif rng.random() < profile.tool_share:
-            gap = profile.tool_gap_s.draw(rng)
+            lineage = s.lineage = (*((owner, first) for owner, first in earlier if first < grown),
+                                   (_owner(s.index, s.branches), grown))
+        s.resume = _window(lineage, grown)
+        s.tokens = grown + max(1, int(draw_message()))
+        if random() < return_share:
+            gap = 3600.0 * draw_return()
+        elif random() < tool_share:
+            gap = draw_tool()
         else:
-            gap = profile.human_gap_s.draw(rng)
-        answered = prompt / profile.prefill_tokens_per_s + output / profile.decode_tokens_per_s
-        agenda.push(time_s + answered + gap, s)
+            gap = draw_human()
+        agenda.push(time_s + (prompt / prefill_rate + output / decode_rate) + gap, s)  # (as it always added)
+
+
+def _drawer(law: LogNormal, rng: np.random.Generator) -> Callable[[], float]:
+    """``law.draw(rng)`` as a closure (the generator's hot path: no attribute look-ups)."""
+    median, sigma, normal, exp = law.median, law.sigma, rng.standard_normal, math.exp
+    return lambda: median * exp(sigma * normal())
 
 
 def _arrivals(rng: np.random.Generator, n: int, span_s: float, amplitude: float) -> np.ndarray:
@@ -334,7 +349,7 @@ def _arrivals(rng: np.random.Generator, n: int, span_s: float, amplitude: float)
     return np.sort(out[:n])
 
 
-def _owner_of(lineage: list[tuple[int, int]], token: int) -> int:
+def _owner_of(lineage: Lineage, token: int) -> int:
     """The owner of the token at ``token`` (the segment it falls in)."""
     owner = lineage[0][0]
     for candidate, first in lineage:
@@ -344,7 +359,7 @@ def _owner_of(lineage: list[tuple[int, int]], token: int) -> int:
     return owner
 
 
-def _runs(lineage: list[tuple[int, int]], lo: int, hi: int) -> tuple[Run, ...]:
+def _runs(lineage: Lineage, lo: int, hi: int) -> tuple[Run, ...]:
     """Chunks ``lo <= i < hi`` of a lineage as runs. A chunk belongs to the owner of its
     last token (that owner's id stands for the whole prefix up to it): a segment owning
     tokens ``[first, next)`` owns the chunks ``[first // C, next // C)``."""
@@ -364,5 +379,5 @@ def _runs(lineage: list[tuple[int, int]], lo: int, hi: int) -> tuple[Run, ...]:
     return tuple(runs)
 
 
-def _window(lineage: list[tuple[int, int]], end: int) -> WindowId:
+def _window(lineage: Lineage, end: int) -> WindowId:
     return (_owner_of(lineage, end - 1), end)
