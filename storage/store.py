@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -84,11 +84,13 @@ class TieredStore:
 
     def __init__(self, config: StoreConfig, fingerprint: Fingerprint, *,
                  clock: Callable[[], float] = time.time, ssd_write: WriteFile = write_all,
-                 on_drop: Callable[[ObjectKey, Location], None] | None = None) -> None:
-        """``on_drop``: told of every copy a tier lets go (evicted, expired, corrupt,
-        removed), with where it was."""
+                 on_drop: Callable[[ObjectKey, Location], None] | None = None,
+                 drops_from: Collection[TierName] = tuple(TierName)) -> None:
+        """``on_drop``: told of every copy a tier in ``drops_from`` lets go (evicted,
+        expired, corrupt, removed), with where it was."""
         self.config = config
         self._on_drop = on_drop
+        self._drops_from = frozenset(drops_from)
         self._policy = config.retention
         # Seconds per tier and kind (None: that kind is never stored in that tier).
         self._retention = {tier: {kind: self._policy.retention_s(kind, tier) for kind in Kind} for tier in TierName}
@@ -114,7 +116,10 @@ class TieredStore:
                 self._redis = RedisTier(self._link, self._codec, self._policy, clock,
                                         self._counters[TierName.REDIS], self._dropped(self._shared))
 
-        self._ram = RamTier(self._policy, clock, self._counters[TierName.RAM], self._dropped(self._here[TierName.RAM]))
+        # A RAM tier whose drops nobody hears (no index, no listener) builds no key per eviction.
+        ram_listened = self._index is not None or (on_drop is not None and TierName.RAM in drops_from)
+        self._ram = RamTier(self._policy, clock, self._counters[TierName.RAM],
+                            self._dropped(self._here[TierName.RAM]) if ram_listened else None)
         self._ssd = None
         if config.ssd_dir is not None:
             tier = SizedSsdTier if config.ssd_sizes_only else SsdTier
@@ -139,7 +144,7 @@ class TieredStore:
         def on_drop(key: ObjectKey) -> None:
             if self._publisher is not None:
                 self._publisher.removed(key, location)
-            if self._on_drop is not None:
+            if self._on_drop is not None and location.tier in self._drops_from:
                 self._on_drop(key, location)
         return on_drop
 

@@ -12,7 +12,7 @@ import pytest
 
 from storage.codec import HEADER_BYTES
 from storage.keys import Fingerprint, Kind, chunk_keys, window_key
-from storage.policy import RetentionPolicy
+from storage.policy import RetentionPolicy, TierName
 from storage.store import StoreConfig, TieredStore
 from storage.tiers.ssd import write_all
 
@@ -269,6 +269,23 @@ def test_a_replacing_put_rewrites_the_ssd_copy_where_a_plain_put_keeps_it(tmp_pa
         assert store.get(KEYS[0]) is None and files(tmp_path) == []
         stats = store.stats()
         assert stats.bytes_stored["ssd"] == 0 and stats.tiers["ssd"].write_errors == 1
+
+
+def test_the_drop_listener_hears_the_tiers_it_asks_for(tmp_path: Path) -> None:
+    # Two objects where there is room for one: the first is evicted from RAM, and
+    # removing the second drops it from RAM and SSD.
+    heard: dict[str, list] = {"all": [], "ssd": []}
+    for name, tiers in (("all", tuple(TierName)), ("ssd", (TierName.SSD,))):
+        config = StoreConfig("n1", ssd_dir=tmp_path / name, retention=RetentionPolicy(ram_capacity_bytes=4000),
+                             write_behind=False)
+        with TieredStore(config, FP, on_drop=lambda key, where, name=name: heard[name].append((key, where.tier)),
+                         drops_from=tiers) as store:
+            store.put(KEYS[0], payload(0))
+            store.put(KEYS[1], payload(1))
+            store.remove(KEYS[1])
+            assert store.stats().tiers["ram"].evictions == 1
+    assert heard["all"] == [(KEYS[0], TierName.RAM), (KEYS[1], TierName.RAM), (KEYS[1], TierName.SSD)]
+    assert heard["ssd"] == [(KEYS[1], TierName.SSD)]
 
 
 def test_racing_writers_in_one_store_leave_one_whole_value(tmp_path: Path) -> None:

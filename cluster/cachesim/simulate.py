@@ -207,7 +207,8 @@ class Simulator:
         root = Path(directory if directory is not None else self._tmp.name)
         self._store_config = StoreConfig(node_id="sim", ssd_dir=root / "ssd", retention=config.policy(),
                                          gc_thread=False, write_behind=False, ssd_sizes_only=config.mode == "scale")
-        self.store = TieredStore(self._store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped)
+        self.store = TieredStore(self._store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped,
+                                 drops_from=(TierName.SSD,))
         self.totals = Totals()
         self.samples: list[Sample] = []
         # Extents written, per owner: first chunk index -> (end index, key) (an extent may
@@ -224,8 +225,9 @@ class Simulator:
         self._wall_s = 0.0
 
     def _dropped(self, key: ObjectKey, location) -> None:
-        """An extent that left the SSD (which holds every chunk RAM holds) is gone: forget it."""
-        if key.kind is _CHUNK and location.tier is _SSD:
+        """An extent that left the SSD (which holds every chunk RAM holds) is gone: forget it.
+        (The store tells of SSD drops only: RAM evicts ~1.3 objects per request.)"""
+        if key.kind is _CHUNK:
             owner, first, _ = _KEY.unpack(key.digest)
             extents = self._extents.get(owner)
             if extents is not None:
@@ -350,7 +352,8 @@ class Simulator:
             raise ValueError("a restart needs the exact mode (the SSD tier reopens its files)")
         self.earlier_stores.append(self.store.stats())  # a reopened store counts from zero
         self.store.close()
-        self.store = TieredStore(self._store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped)
+        self.store = TieredStore(self._store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped,
+                                 drops_from=(TierName.SSD,))
 
     def sample(self) -> None:
         stats = self.store.stats()
@@ -392,8 +395,7 @@ class Simulator:
                 restart = restarts[0] if restarts else math.inf
                 while pending and pending[0][0] <= stop and pending[0][0] < restart:
                     end, _, request, hit, found = heappop(pending)
-                    if end > clock.now:
-                        clock.now = end
+                    clock.now = max(clock.now, end)
                     turn_end(request, hit, found)
                 t = min(pending[0][0] if pending else math.inf, self._next_gc, self._next_sample,
                         restarts[0] if restarts else math.inf)

@@ -34,7 +34,8 @@ class RamTier(LocalTier):
     name = TierName.RAM
 
     def __init__(self, policy: RetentionPolicy, clock: Callable[[], float], counters: TierCounters,
-                 on_drop: OnDrop) -> None:
+                 on_drop: OnDrop | None) -> None:
+        """``on_drop`` None: nobody is told of drops (evictions then build no keys)."""
         # Retention per kind, looked up once: every kind may live in RAM.
         self._ttl = {kind: policy.retention_s(kind, TierName.RAM) for kind in Kind}
         self._capacity = policy.ram_capacity_bytes
@@ -95,8 +96,9 @@ class RamTier(LocalTier):
                 append(None)
         hits = len(results) if prefix else len(results) - misses
         self._counters.reads(hits, misses, hit_bytes, len(expired))
-        for key in expired:
-            self._on_drop(key)
+        if self._on_drop is not None:
+            for key in expired:
+                self._on_drop(key)
         return results
 
     def put(self, key: ObjectKey, payload: bytes) -> bool:
@@ -105,17 +107,20 @@ class RamTier(LocalTier):
             return False
         now = self._clock()
         evicted: list[ObjectKey] = []
+        evictions = 0
         with self._lock:
             self._pop(key.digest)
             while self._bytes + size > self._capacity:
                 digest, old = next(iter(self._entries.items()))
                 self._pop(digest)
-                evicted.append(ObjectKey(old.kind, digest))
+                evictions += 1
+                if self._on_drop is not None:
+                    evicted.append(ObjectKey(old.kind, digest))
             ttl = self._ttl[key.kind]
             entry = _Entry(key.kind, payload, size, ttl, now + ttl)
             self._entries[key.digest] = self._by_kind[key.kind][key.digest] = entry
             self._bytes += size
-        self._counters.writes(1, size, len(evicted))
+        self._counters.writes(1, size, evictions)
         for old_key in evicted:
             self._on_drop(old_key)
         return True
@@ -123,7 +128,7 @@ class RamTier(LocalTier):
     def remove(self, key: ObjectKey) -> bool:
         with self._lock:
             removed = self._pop(key.digest) is not None
-        if removed:
+        if removed and self._on_drop is not None:
             self._on_drop(key)
         return removed
 
@@ -139,8 +144,9 @@ class RamTier(LocalTier):
             for key in expired:
                 self._pop(key.digest)
         self._counters.add(expirations=len(expired))
-        for key in expired:
-            self._on_drop(key)
+        if self._on_drop is not None:
+            for key in expired:
+                self._on_drop(key)
 
     def entries(self) -> list[tuple[ObjectKey, float]]:
         with self._lock:
