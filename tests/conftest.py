@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# The same summation order on every x86-64 CPU, set before torch (and MKL) load, and
+# inherited by the Ray workers the tests start: MKL's conditional-numerical-
+# reproducibility mode, and ATen's AVX2 kernels even where AVX-512 exists. On an Intel
+# Xeon (AVX-512) two tests comparing two paths of the model failed by 0.24 and 0.52 in
+# a logit where they pass on AMD EPYC: a rounding difference that flips a discrete
+# choice downstream. Making those comparisons robust to such flips is still to do.
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The models under test are tiny: one intra-op thread is faster than two, and it does not
 # collapse when the suite's Ray workers share the two cores (OpenMP threads spin).
