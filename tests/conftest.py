@@ -15,8 +15,8 @@ from pathlib import Path
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # The models under test are tiny: one intra-op thread is faster than two, and it does not
 # collapse when the suite's Ray workers share the two cores (OpenMP threads spin).
