@@ -6,14 +6,13 @@ import json
 import os
 from pathlib import Path
 
-# The same summation order on every x86-64 CPU, set before torch (and MKL) load, and
-# inherited by the Ray workers the tests start: MKL's conditional-numerical-
-# reproducibility mode, and ATen's AVX2 kernels even where AVX-512 exists. On an Intel
-# Xeon (AVX-512) two tests comparing two paths of the model failed by 0.24 and 0.52 in
-# a logit where they pass on AMD EPYC: a rounding difference that flips a discrete
-# choice downstream. Making those comparisons robust to such flips is still to do.
+# MKL's conditional-numerical-reproducibility mode: one summation order for its matmuls on
+# every x86-64 CPU, set before torch loads MKL (the Ray workers the tests start inherit
+# it). On an Intel Xeon with AVX-512, test_restore_rebuilds_expired_windows and
+# test_every_path_agrees_on_more_random_configs[61] failed by 0.52 and 0.24 in a logit
+# (they pass on AMD EPYC, and here with this): a rounding difference that flips a
+# discrete choice downstream. Comparisons robust to such flips are still to do.
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
-os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
 import pytest
 import torch
