@@ -72,7 +72,7 @@ def young_gc_only():
 
 _KEY = struct.Struct("<qqq8x")
 # Enum members by attribute cost ~60 ns each: the loop's are looked up once.
-_CHUNK, _WINDOW, _RAM, _SSD = Kind.CHUNK, Kind.WINDOW, TierName.RAM, TierName.SSD
+_CHUNK, _WINDOW, _RAM = Kind.CHUNK, Kind.WINDOW, TierName.RAM
 # Checkpoints: one row per stored object (digest, kind, size, last use or expiry) and
 # per extent (owner, first chunk, end), written and read this many at a time.
 CHECKPOINT_FORMAT = 2
