@@ -3,16 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-
-# MKL's conditional-numerical-reproducibility mode: one summation order for its matmuls on
-# every x86-64 CPU, set before torch loads MKL (the Ray workers the tests start inherit
-# it). On an Intel Xeon with AVX-512, test_restore_rebuilds_expired_windows and
-# test_every_path_agrees_on_more_random_configs[61] failed by 0.52 and 0.24 in a logit
-# (they pass on AMD EPYC, and here with this): a rounding difference that flips a
-# discrete choice downstream. Comparisons robust to such flips are still to do.
-os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 import pytest
 import torch
