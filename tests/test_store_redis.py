@@ -187,3 +187,20 @@ def test_the_supervisor_restarts_a_killed_redis_and_the_nodes_republish(tmp_path
         supervisor.stop()
         server.close()
     assert not server.running
+
+
+def test_a_free_port_is_one_no_outgoing_connection_can_take() -> None:
+    """Servers started on a drawn port (Redis, the router) must find it still free
+    after a cluster has opened its connections: drawn below the ephemeral range."""
+    import socket
+
+    from storage.redis_server import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(8)}
+    assert len(ports) > 1
+    for port in ports:
+        assert 20000 <= port < low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.bind(("127.0.0.1", port))
+            server.listen()
