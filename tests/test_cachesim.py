@@ -112,6 +112,16 @@ def test_the_command_compares_the_policies_on_a_trace():
     assert bad.returncode == 2 and "--policies" in bad.stderr
 
 
+def test_a_policy_process_that_fails_raises_its_error_in_the_caller(tmp_path):
+    """`cache-sim run`'s processes exit without tearing down: a failure must still reach
+    the command, as the error it was."""
+    from cluster.commands.cache_sim import in_policy_processes
+
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        in_policy_processes([("v41", {"model": str(tmp_path / "absent"), "hours": 1.0}, ("synthetic", {}),
+                              False, None, None)])
+
+
 def test_a_restart_loses_ram_and_the_ssd_serves_the_next_turn():
     requests = _turns(0.0, 60.0, 120.0)
     kept = _run(requests, mode="exact").totals

@@ -26,46 +26,84 @@ the chunks its store read from SSD (each read there once, then promoted) came fr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 TRACES = {"conversation": "CONVERSATION_TRACE", "synthetic": "SYNTHETIC_TRACE"}
-# A simulation's processes keep their heap on transparent huge pages (see policy_processes).
+# A simulation's processes keep their heap on transparent huge pages (see in_policy_processes).
 HUGE_PAGE_ENV = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+_kept: list = []  # what a policy process holds until it exits (see _policy_process)
 
 
-@contextlib.contextmanager
-def policy_processes(workers: int) -> Iterator[ProcessPoolExecutor]:
-    """Processes for the policies' simulations, spawned with their heap on transparent
-    huge pages: every Python object through glibc's malloc (``PYTHONMALLOC=malloc``),
-    which asks for huge pages where the kernel gives them on request (``madvise``, the
-    common default; glibc >= 2.35). A million-session run holds tens of millions of
-    index entries in gigabytes, and each request looks up a few of them at random: with
-    4 KiB pages most of those look-ups also miss the TLB. Same results; on a 2-core
-    Intel Xeon, 400,000 agent sessions (2.1 GB) ran in 0.92x the time. Elsewhere (no
-    THP, another libc) the variables are ignored or cost ~2%."""
+def in_policy_processes(calls: list[tuple]) -> list[dict]:
+    """``_simulate(*call)`` for each call, each in a process of its own, all at once;
+    their results, in order.
+
+    The processes are spawned with their heap on transparent huge pages: every Python
+    object through glibc's malloc (``PYTHONMALLOC=malloc``), which asks for huge pages
+    where the kernel gives them on request (``madvise``, the common default; glibc >=
+    2.35). A million-session run holds tens of millions of index entries in gigabytes,
+    and each request looks up a few of them at random: with 4 KiB pages most of those
+    look-ups also miss the TLB. Same results; on a 2-core Intel Xeon, 400,000 agent
+    sessions (2.1 GB) ran in 0.92x the time, the million in 0.90x. Elsewhere (no THP,
+    another libc) the variables are ignored or cost ~2%.
+
+    A process sends its result and exits at once, without freeing its store's objects
+    one by one: the million-session run's two processes took ~45 s more to do so.
+    """
+    context = multiprocessing.get_context("spawn")  # not forked: the variables take effect when a process starts
     saved = {name: os.environ.get(name) for name in HUGE_PAGE_ENV}
     tunables = os.environ.get("GLIBC_TUNABLES")
     os.environ.update(HUGE_PAGE_ENV)
     if tunables:
         os.environ["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_ENV['GLIBC_TUNABLES']}"
-    try:  # spawned, not forked: the variables take effect when a process starts
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            yield pool
+    children = []
+    try:
+        for call in calls:
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(target=_policy_process, args=(sender, call), daemon=True)
+            process.start()
+            sender.close()
+            children.append((process, receiver))
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+    results = []
+    try:
+        for process, receiver in children:
+            try:
+                ok, value = receiver.recv()
+            except EOFError:
+                process.join()
+                raise RuntimeError(f"a simulation's process died (exit code {process.exitcode})") from None
+            if not ok:
+                raise value
+            results.append(value)
+            process.join()
+    finally:
+        for process, _ in children:
+            if process.is_alive():
+                process.terminate()
+    return results
+
+
+def _policy_process(sender, call: tuple) -> None:
+    try:
+        outcome = (True, _simulate(*call))
+    except BaseException as error:  # noqa: BLE001 (any of them, Ctrl-C too: the caller raises it)
+        outcome = (False, error)
+    sender.send(outcome)
+    sender.close()
+    os._exit(0)  # the simulator in _kept is not freed object by object: the OS takes the memory back at once
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +193,7 @@ def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, check
     import torch
 
     from cluster.cachesim import sizes as sizes_module
-    from cluster.cachesim.simulate import SimConfig, simulate
+    from cluster.cachesim.simulate import SimConfig, Simulator
 
     torch.set_num_threads(1)
     model = config_fields.pop("model")
@@ -189,7 +227,10 @@ def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, check
     from cluster.cachesim.simulate import RequestTable
 
     table = RequestTable(Path(table_path)) if table_path else None
-    result = simulate(config, _requests(spec), progress, checkpoint=checkpoint, checkpoint_every_s=120.0, table=table)
+    with tempfile.TemporaryDirectory(prefix="v41-cache-sim-") as directory:
+        simulator = Simulator(config, directory)
+        _kept.append(simulator)  # never closed: its process exits without freeing it
+        result = simulator.run(_requests(spec), progress, checkpoint=checkpoint, checkpoint_every_s=120.0, table=table)
     if table is not None:
         table.close()
     if show_progress:
@@ -227,13 +268,11 @@ def run(args: argparse.Namespace) -> int:
               "chunk_retention_hours": args.retention_hours, "window_ttl_minutes": args.window_ttl_min,
               "mode": args.mode, "shrink": shrink, "hours": args.hours,
               "model": str(args.model) if args.model else None}
-    with policy_processes(len(policies)) as pool:
-        checkpoints = None if args.no_checkpoint or args.requests_table else str(args.checkpoint_dir)
-        tables = {policy: str(args.out / f"requests-{policy}.parquet") if args.requests_table else None
-                  for policy in policies}
-        futures = [pool.submit(_simulate, policy, dict(fields), spec, i == 0, checkpoints, tables[policy])
-                   for i, policy in enumerate(policies)]
-        results = {policy: future.result() for policy, future in zip(policies, futures)}
+    checkpoints = None if args.no_checkpoint or args.requests_table else str(args.checkpoint_dir)
+    tables = {policy: str(args.out / f"requests-{policy}.parquet") if args.requests_table else None
+              for policy in policies}
+    results = dict(zip(policies, in_policy_processes(
+        [(policy, dict(fields), spec, i == 0, checkpoints, tables[policy]) for i, policy in enumerate(policies)])))
     first = next(iter(results.values()))
     report = {"workload": spec[0] if spec[0] == "trace" else "synthetic",
               "source": spec[1] if spec[0] == "trace" else spec[1]["name"],
