@@ -58,9 +58,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """
     ephemeral_low = _ephemeral_range()[0]
     draw = random.SystemRandom()  # not the seeded global: two processes must not agree
-    for _ in range(64):
-        if ephemeral_low - _LOWEST_PORT < 1024:
-            break
+    for _ in range(64 if ephemeral_low - _LOWEST_PORT >= 1024 else 0):
         port = draw.randrange(_LOWEST_PORT, ephemeral_low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:

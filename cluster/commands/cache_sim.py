@@ -32,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
 
@@ -55,7 +56,8 @@ def in_policy_processes(calls: list[tuple]) -> list[dict]:
     another libc) the variables are ignored or cost ~2%.
 
     A process sends its result and exits at once, without freeing its store's objects
-    one by one: the million-session run's two processes took ~45 s more to do so.
+    one by one: the million-session run's wall was 58 s over its slower process's
+    simulation when they did, 5 s since.
     """
     context = multiprocessing.get_context("spawn")  # not forked: the variables take effect when a process starts
     saved = {name: os.environ.get(name) for name in HUGE_PAGE_ENV}
@@ -100,6 +102,7 @@ def _policy_process(sender, call: tuple) -> None:
     try:
         outcome = (True, _simulate(*call))
     except BaseException as error:  # noqa: BLE001 (any of them, Ctrl-C too: the caller raises it)
+        error.add_note(f"in the {call[0]} policy's process:\n{traceback.format_exc()}")
         outcome = (False, error)
     sender.send(outcome)
     sender.close()
