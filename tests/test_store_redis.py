@@ -197,6 +197,8 @@ def test_a_free_port_is_one_no_outgoing_connection_can_take() -> None:
     from storage.redis_server import _ephemeral_range, free_port
 
     low, _ = _ephemeral_range()
+    if low < 20000 + 1024:
+        pytest.skip(f"this kernel's ephemeral ports start at {low}: no room below them, the OS picks")
     ports = {free_port() for _ in range(8)}
     assert len(ports) > 1
     for port in ports:
