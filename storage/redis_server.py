@@ -56,7 +56,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     then failed to start in CI, its one port "in use"). Where there is no room, the
     OS picks one.
     """
-    ephemeral_low = _ephemeral_range()[0]
+    ephemeral_low = _ephemeral_low()
     draw = random.SystemRandom()  # not the seeded global: two processes must not agree
     for _ in range(64 if ephemeral_low - _LOWEST_PORT >= 1024 else 0):
         port = draw.randrange(_LOWEST_PORT, ephemeral_low)
@@ -71,13 +71,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _die_with_parent():
