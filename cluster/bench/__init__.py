@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "experts": ("cluster.bench.experts", "one replica split over worker processes sharing the experts, against one process"),
     "vision": ("cluster.bench.vision", "an image's cost in the prefill pool (decode, preprocess, tower), returning turn TTFT"),
     "tools": ("cluster.bench.tools", "tool calling on held-out conversations: well-formed, right function, free and constrained"),
+    "all": ("cluster.bench.suite", "every table of the README and docs/ in one run, beside the machine's raw limits"),
 }
 
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from cluster.bench import suite
 from model import formats
 from model.config import ModelConfig, TextConfig
 from model.engram import EngramLayout, NgramHasher, find_primes
@@ -133,18 +134,6 @@ def _model_with_tables(text: TextConfig, tables: dict[int, formats.Packed]):
         block.engram.embed.weight = torch.nn.Parameter(values, requires_grad=False)
         block.engram.embed.num_embeddings = values.shape[0]
     return model
-
-
-def _bandwidth_reference() -> float:
-    """GB/s of a 512 MiB in-memory copy (numpy, one thread, best of 3)."""
-    src = np.ones(512 << 20, dtype=np.uint8)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return src.nbytes / best / 1e9
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -262,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         tables = _write_tables(directory, text)
         layout = EngramLayout.from_config(text)
         hasher = NgramHasher(layout, torch.arange(text.vocab_size) % text.engram_compressed_vocab_size)
-        copy_gb_s = _bandwidth_reference()
+        copy_gb_s = suite.copy_gb_s()
         if args.address or ray.is_initialized():
             ray.init(address=args.address, ignore_reinit_error=True, logging_level="ERROR")
         else:
