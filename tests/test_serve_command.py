@@ -74,6 +74,26 @@ def test_a_signal_while_starting_stops_everything_started(tmp_path):
     _nothing_left(process)
 
 
+def test_a_signal_while_ray_starts_stops_everything_started(tmp_path):
+    """ray.init takes seconds and begins by setting a SIGTERM handler that exits: a
+    SIGTERM then unwound it half-way (exit code 15) and left the Ray processes it had
+    started running. It is deferred until Ray is up, then everything stops."""
+    process = _start(free_port(), tmp_path)
+    try:
+        deadline = time.time() + 60
+        while not subprocess.run(["pgrep", "-s", str(process.pid), "gcs_server"], capture_output=True,
+                                 check=False).stdout:  # Ray's first process: ray.init has begun
+            assert time.time() < deadline and process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0
+        assert "stopped while starting" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    _nothing_left(process)
+
+
 def _start(port: int, tmp_path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--cache-dir", str(tmp_path / "cache"),

@@ -57,14 +57,17 @@ class _ReadyAtFilter(logging.Filter):
 
 @contextlib.contextmanager
 def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_store_mb: int = 512,
-              address: str | None = None, num_cpus: int | None = None, on_ray_started=None):
+              address: str | None = None, num_cpus: int | None = None, on_ray_starting=None, on_ray_started=None):
     """An embedded Redis (restarted by a supervisor if it dies; none if ``app_args``
     names a ``redis_url``), Ray (a new local instance, or the cluster at ``address``,
     started after :func:`use_serve_environment`) and the application with
     ``app_args``, its router answering at ``http://host:port``. Yields the supervisor
     (``.server`` is the Redis server; None with an external Redis); stops everything it
-    started on the way out. ``on_ray_started()`` runs once Ray is up (``v41 serve`` puts
-    its signal handlers back there: ``ray.init`` sets its own)."""
+    started on the way out. ``on_ray_starting()`` runs just before Ray starts and
+    ``on_ray_started()`` once it is up: a caller that handles SIGINT and SIGTERM itself
+    (``v41 serve``) defers them in between, for a signal that unwinds ``ray.init``
+    half-way leaves the Ray processes it had started running; given ``on_ray_starting``,
+    ``ray.init`` keeps the caller's SIGTERM handler (it would set one that exits)."""
     import ray
     from ray import serve
 
@@ -90,12 +93,15 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
     ready_filter = _ReadyAtFilter()
     logging.getLogger("ray.serve").addFilter(ready_filter)
     try:
-        if address is None:
-            num_cpus = (num_cpus or os.cpu_count() or 1) + expert_worker_cpus(app_args)
-            ray.init(namespace="v41", object_store_memory=object_store_mb << 20, num_cpus=num_cpus,
-                     include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, namespace="v41", log_to_driver=False)
+        if on_ray_starting is not None:
+            on_ray_starting()
+        with _sigterm_handler_kept() if on_ray_starting is not None else contextlib.nullcontext():
+            if address is None:
+                num_cpus = (num_cpus or os.cpu_count() or 1) + expert_worker_cpus(app_args)
+                ray.init(namespace="v41", object_store_memory=object_store_mb << 20, num_cpus=num_cpus,
+                         include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(address=address, namespace="v41", log_to_driver=False)
         if on_ray_started is not None:
             on_ray_started()
         serve.start(http_options={"host": host, "port": free_port(host)})  # Serve's proxy: unused
@@ -241,6 +247,24 @@ def app_arguments(args: argparse.Namespace) -> dict:
     return app_args
 
 
+@contextlib.contextmanager
+def _sigterm_handler_kept():
+    """``ray.init`` leaves the SIGTERM handler as it is: it begins by setting one that
+    exits (``ray._private.utils.set_sigterm_handler``; where a Ray version has no such
+    function, its handler is set and a SIGTERM while it starts exits as ``SystemExit``)."""
+    from ray._private import utils
+
+    original = getattr(utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    utils.set_sigterm_handler = lambda _handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = original
+
+
 class _Stopped(Exception):
     """SIGINT or SIGTERM while starting."""
 
@@ -252,25 +276,37 @@ def run(args: argparse.Namespace) -> int:
         return 0
     app_args = app_arguments(args)
     stopping: list[int] = []
-    serving = False
+    serving = ray_starting = False
 
     def on_signal(number, _frame) -> None:
         # While starting, unwind at once (everything started so far is stopped on the way
-        # out); while serving, only record it: the handler runs on the main thread between
-        # two bytecodes, and an Event.set() there could wait forever on the lock of the
-        # very Event.wait() it interrupted.
+        # out), except while Ray starts (a ray.init unwound half-way leaves processes
+        # behind: it is acted on once Ray is up); while serving, only record it: the
+        # handler runs on the main thread between two bytecodes, and an Event.set() there
+        # could wait forever on the lock of the very Event.wait() it interrupted.
         stopping.append(number)
-        if not serving:
+        if not (serving or ray_starting):
             raise _Stopped()
 
     def handle_signals() -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
 
+    def on_ray_starting() -> None:
+        nonlocal ray_starting
+        ray_starting = True
+
+    def on_ray_started() -> None:
+        nonlocal ray_starting
+        ray_starting = False
+        handle_signals()  # (ray.init may have set its own SIGINT handling)
+        if stopping:
+            raise _Stopped()
+
     handle_signals()
     try:
         with local_app(app_args, args.host, args.port, args.object_store_mb, address=args.address,
-                       on_ray_started=handle_signals):
+                       on_ray_starting=on_ray_starting, on_ray_started=on_ray_started):
             handle_signals()  # Serve's start may have set its own
             serving = True
             if stopping:
@@ -280,5 +316,12 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.2)
             print("v41: stopping", flush=True)
     except _Stopped:
+        print("v41: stopped while starting", flush=True)
+    except SystemExit as exit_:
+        # ray.init sets a SIGTERM handler of its own (sys.exit(SIGTERM)) as it begins, and
+        # starting Ray takes seconds: a SIGTERM then unwinds through everything started
+        # (stopped on the way out) as SystemExit; it is a stop while starting too.
+        if serving or exit_.code != signal.SIGTERM:
+            raise
         print("v41: stopped while starting", flush=True)
     return 0
