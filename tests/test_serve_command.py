@@ -60,29 +60,18 @@ def test_serve_command_starts_serves_and_stops_everything(tmp_path):
             assert json.loads(response.read())["usage"]["completion_tokens"] == 24
 
 
-def test_a_signal_while_starting_stops_everything_started(tmp_path):
+@pytest.mark.parametrize("started", ["gcs_server", "ServeController"], ids=["ray-starting", "app-deploying"])
+def test_a_signal_while_starting_stops_everything_started(tmp_path, started):
+    """SIGTERM as soon as the session has a ``started`` process: Ray's first (ray.init
+    has begun), or Serve's controller (Ray is up, the app is deploying). ray.init takes
+    seconds and begins by setting a SIGTERM handler that exits: a SIGTERM then unwound it
+    half-way (exit code 15) and left the Ray processes it had started running; it now
+    waits until Ray is up. Either way, a clean exit and nothing left."""
     process = _start(free_port(), tmp_path)
     try:
-        time.sleep(8)  # Redis and Ray are up, the app is deploying
-        assert process.poll() is None
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=90) == 0
-        assert "stopped while starting" in process.stdout.read()
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    _nothing_left(process)
-
-
-def test_a_signal_while_ray_starts_stops_everything_started(tmp_path):
-    """ray.init takes seconds and begins by setting a SIGTERM handler that exits: a
-    SIGTERM then unwound it half-way (exit code 15) and left the Ray processes it had
-    started running. It is deferred until Ray is up, then everything stops."""
-    process = _start(free_port(), tmp_path)
-    try:
-        deadline = time.time() + 60
-        while not subprocess.run(["pgrep", "-s", str(process.pid), "gcs_server"], capture_output=True,
-                                 check=False).stdout:  # Ray's first process: ray.init has begun
+        deadline = time.time() + 120
+        while not subprocess.run(["pgrep", "-s", str(process.pid), "-f", started], capture_output=True,
+                                 check=False).stdout:
             assert time.time() < deadline and process.poll() is None
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
