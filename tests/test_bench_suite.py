@@ -20,7 +20,7 @@ def test_every_table_command_is_a_valid_command(entry):
     from cluster.cli import build_parser
 
     assert entry.bench in BENCHES and entry.bench != "all"
-    args = build_parser("bench").parse_args(["bench", entry.bench, *entry.args, "--json"])
+    args = build_parser("bench").parse_args(entry.argv)
     assert args.json and args._bench.__name__ == BENCHES[entry.bench][0]
 
 

@@ -41,6 +41,16 @@ class Entry:
     table: str
     limits: tuple[str, ...]
 
+    @property
+    def argv(self) -> list[str]:
+        """The arguments of `v41` that run it."""
+        return ["bench", self.bench, *self.args, "--json"]
+
+    @property
+    def command(self) -> str:
+        """The command as the README writes it."""
+        return " ".join(["v41", *self.argv])
+
 
 _COMPUTE = ("matmul_gflops_1_thread", "copy_gb_s")
 _CLUSTER = ("matmul_gflops_all_cores", "loopback_round_trip_us")
@@ -196,15 +206,12 @@ def _pick(spec: str | None, what: str) -> set[str]:
     return names
 
 
-def _command(entry: Entry) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", "bench", entry.bench, *entry.args, "--json"]
-
-
 def _run_one(entry: Entry, timeout_s: float) -> dict:
     """Run one bench, its output passed through as it comes; its JSON from the last line."""
     started = time.perf_counter()
     lines: list[str] = []
-    process = subprocess.Popen(_command(entry), cwd=ROOT, stdout=subprocess.PIPE, text=True, bufsize=1)
+    process = subprocess.Popen([sys.executable, "-m", "cluster.cli", *entry.argv], cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True, bufsize=1)
     timer = threading.Timer(timeout_s, process.kill)
     timer.start()
     try:
@@ -221,7 +228,7 @@ def _run_one(entry: Entry, timeout_s: float) -> dict:
             result = json.loads(lines[-1])
         except json.JSONDecodeError:
             pass
-    return {"command": "v41 " + " ".join(_command(entry)[3:]), "table": entry.table, "returncode": process.returncode,
+    return {"command": entry.command, "table": entry.table, "returncode": process.returncode,
             "seconds": round(time.perf_counter() - started, 1), "result": result,
             "figures": headline(result) if isinstance(result, dict) else {}, "limits": list(entry.limits)}
 
@@ -235,14 +242,14 @@ def run(args: argparse.Namespace) -> int:
     plan = [entry for entry in SUITE if (not only or entry.name in only) and entry.name not in skip]
     if args.list:
         for entry in plan:
-            print(f"{entry.name:<13} {'v41 ' + ' '.join(_command(entry)[3:]):<100} {entry.table}  "
+            print(f"{entry.name:<13} {entry.command:<100} {entry.table}  "
                   f"[{', '.join(entry.limits)}]")
         return 0
     limits = machine_limits()
     print("machine limits, measured now: " + ", ".join(f"{key} {value}" for key, value in limits.items()), flush=True)
     benches = {}
     for entry in plan:
-        print(f"\n== {entry.name}: v41 {' '.join(_command(entry)[3:])}  ({entry.table})", flush=True)
+        print(f"\n== {entry.name}: {entry.command}  ({entry.table})", flush=True)
         benches[entry.name] = _run_one(entry, args.timeout)
     print("\nheadline figures, beside the raw limits of this machine measured in the same run:")
     print(f"{'table':<13} {'figure':<44} {'value':>14}   limits")
