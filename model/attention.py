@@ -76,14 +76,8 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [B, G * ratio, D] (whole groups) -> pre-RoPE latents [B, G, head_dim]."""
-        if self.wgate is None:
-            return self.norm(self.wkv(x))
-        kv = F.linear(x.float(), self.wkv.weight.float())
-        gate = F.linear(x.float(), self.wgate.weight.float())
-        kv = kv.unflatten(1, (-1, self.ratio))
-        gate = gate.unflatten(1, (-1, self.ratio))
-        latent = (kv * gate.softmax(dim=2)).sum(dim=2)
-        return self.norm(latent.to(x.dtype))
+        return pool_latents(x, self.wkv.weight, None if self.wgate is None else self.wgate.weight, self.norm.weight,
+                            self.ratio, self.norm.eps)
 
 
 class Indexer(nn.Module):
@@ -106,7 +100,7 @@ class Indexer(nn.Module):
 
     def keys_raw(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE latents [B, G, head_dim] -> indexer keys before FP4 quantisation."""
-        return apply_rotary(self.k_norm(self.wk(latent)), cos, sin)
+        return index_keys_raw(latent, cos, sin, self.wk.weight, self.k_norm.weight, self.k_norm.eps)
 
     def scores(
         self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
@@ -116,11 +110,21 @@ class Indexer(nn.Module):
         [B, T, d], or per query [B, S, T, d] (a Reindex layer scoring its candidates).
         ``quantize`` puts the queries in the keys' FP4 format (training passes its
         straight-through version)."""
-        q = self.wq_b(q_residual).unflatten(-1, (self.n_heads, self.head_dim))
-        q = quantize(apply_rotary(q, cos, sin))
+        return self.score(*self.query(x, q_residual, cos, sin, quantize), keys)
+
+    def query(
+        self, x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        quantize: Callable[[torch.Tensor], torch.Tensor] = INDEXER_KEY.fake_quant,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token half of :meth:`scores`: query heads [B, S, H, d] (rotated, in the
+        keys' format) and head weights [B, S, H]."""
+        return indexer_query(x, q_residual, cos, sin, self.wq_b.weight, self.weights_proj.weight, self.n_heads,
+                             quantize)
+
+    def score(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """The half of :meth:`scores` that reads keys: [B, S, T]."""
         pattern = "bshd,btd->bsht" if keys.ndim == 3 else "bshd,bstd->bsht"
         per_head = torch.einsum(pattern, q.float(), keys.float()).relu_() * self.head_dim**-0.5
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
         return torch.einsum("bsht,bsh->bst", per_head, weights)
 
 
@@ -201,10 +205,36 @@ def queries(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wq_a: torch.T
     return apply_rotary(q, cos, sin), q_residual
 
 
+def indexer_query(x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  wq_b: torch.Tensor, weights_proj: torch.Tensor, n_heads: int,
+                  quantize: Callable[[torch.Tensor], torch.Tensor] = INDEXER_KEY.fake_quant,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`Indexer.query`."""
+    q = quantize(apply_rotary(F.linear(q_residual, wq_b).unflatten(-1, (n_heads, -1)), cos, sin))
+    return q, F.linear(x, weights_proj).float() * n_heads**-0.5
+
+
 def window_raw(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wkv: torch.Tensor, kv_norm: torch.Tensor,
                eps: float) -> torch.Tensor:
     """:meth:`CSA2Attention.window_raw`."""
     return apply_rotary(rms_norm(F.linear(x, wkv), kv_norm, eps), cos, sin)
+
+
+def pool_latents(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor | None, norm: torch.Tensor, ratio: int,
+                 eps: float) -> torch.Tensor:
+    """:class:`Compressor` as a function of its weights."""
+    if wgate is None:
+        return rms_norm(F.linear(x, wkv), norm, eps)
+    kv = F.linear(x.float(), wkv.float()).unflatten(1, (-1, ratio))
+    gate = F.linear(x.float(), wgate.float()).unflatten(1, (-1, ratio))
+    latent = (kv * gate.softmax(dim=2)).sum(dim=2)
+    return rms_norm(latent.to(x.dtype), norm, eps)
+
+
+def index_keys_raw(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wk: torch.Tensor, k_norm: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """:meth:`Indexer.keys_raw` as a function of its weights."""
+    return apply_rotary(rms_norm(F.linear(latent, wk), k_norm, eps), cos, sin)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scaling: float) -> torch.Tensor:

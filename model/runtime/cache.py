@@ -32,7 +32,11 @@ class PackedRows:
 
     ``data`` is ``[n, row_bytes]`` uint8 (payload bytes, then the scale bytes of the
     row); ``values`` ``[n, dim]`` float32 are the same rows dequantised. Capacity
-    doubles, so appending one row per decode step is amortised O(1).
+    doubles, so appending one row per decode step is amortised O(1). Rows dropped
+    from the front (a window sliding forward) only move an offset; the kept rows are
+    moved back to the start of the buffer when an append finds it full, so a window
+    sliding one row per step copies its rows once per ``capacity - n`` steps, not at
+    every step.
     """
 
     def __init__(self, fmt: BlockFormat, dim: int, device: torch.device | str = "cpu"):
@@ -44,15 +48,20 @@ class PackedRows:
         self.row_bytes = fmt.nbytes(dim)
         self._data = torch.empty(0, self.row_bytes, dtype=torch.uint8, device=device)
         self._values = torch.empty(0, dim, dtype=torch.float32, device=device)
+        self._first = 0  # the buffer row of row 0
         self.n = 0
 
     @property
+    def device(self) -> torch.device:
+        return self._data.device
+
+    @property
     def data(self) -> torch.Tensor:
-        return self._data[: self.n]
+        return self._data[self._first : self._first + self.n]
 
     @property
     def values(self) -> torch.Tensor:
-        return self._values[: self.n]
+        return self._values[self._first : self._first + self.n]
 
     @property
     def nbytes(self) -> int:
@@ -78,8 +87,9 @@ class PackedRows:
         """Append rows already encoded (:meth:`encode`): bytes and their values."""
         m = rows.shape[0]
         self._reserve(self.n + m)
-        self._data[self.n : self.n + m] = rows
-        self._values[self.n : self.n + m] = values
+        end = self._first + self.n
+        self._data[end : end + m] = rows
+        self._values[end : end + m] = values
         self.n += m
         return values
 
@@ -93,21 +103,27 @@ class PackedRows:
 
     def drop_front(self, k: int) -> None:
         """Forget the first ``k`` rows (a window sliding forward)."""
-        if k <= 0:
-            return
-        keep = self.n - k
-        self._data[:keep] = self._data[k : self.n].clone()
-        self._values[:keep] = self._values[k : self.n].clone()
-        self.n = keep
+        k = min(max(k, 0), self.n)
+        self._first += k
+        self.n -= k
 
     def _reserve(self, n: int) -> None:
-        if n <= self._data.shape[0]:
+        """Room for ``n`` rows after ``_first``: move the rows to the start of the buffer
+        when that leaves it at most half full, else grow it (either way at least half
+        the buffer is free after the move)."""
+        capacity = self._data.shape[0]
+        if self._first + n <= capacity:
             return
-        capacity = max(n, 2 * self._data.shape[0], 16)
-        data = torch.empty(capacity, self.row_bytes, dtype=torch.uint8, device=self._data.device)
-        values = torch.empty(capacity, self.dim, dtype=torch.float32, device=self._values.device)
-        data[: self.n], values[: self.n] = self._data[: self.n], self._values[: self.n]
-        self._data, self._values = data, values
+        rows = slice(self._first, self._first + self.n)
+        if 2 * n <= capacity:  # (clone: the source and destination ranges may overlap)
+            self._data[: self.n] = self._data[rows].clone()
+            self._values[: self.n] = self._values[rows].clone()
+        else:
+            data = torch.empty(max(n, 2 * capacity, 16), self.row_bytes, dtype=torch.uint8, device=self.device)
+            values = torch.empty(data.shape[0], self.dim, dtype=torch.float32, device=self.device)
+            data[: self.n], values[: self.n] = self._data[rows], self._values[rows]
+            self._data, self._values = data, values
+        self._first = 0
 
 
 def encode_rows(fmt: BlockFormat, payload: int, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +175,7 @@ class SequenceCache:
         return cache
 
     def new_window(self, layer: int, start: int) -> Window:
-        device = next(iter(self.entries.values()))._data.device if self.entries else "cpu"
+        device = next(iter(self.entries.values())).device if self.entries else "cpu"
         window = Window(PackedRows(WINDOW_KV, self.config.head_dim, device), start)
         self.windows[layer] = window
         return window

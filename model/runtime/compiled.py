@@ -77,14 +77,31 @@ def _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, ba
 
 
 def _attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads: int, eps: float,
-                  window_format: BlockFormat | None, payload: int):
-    """Queries, their low-rank residual and the new window rows of ``x`` [N, D]: encoded
-    (bytes, values) in ``window_format``, or raw (and None) without one."""
+                  window_format: BlockFormat | None, payload: int, index_wq_b, index_weights, index_heads: int):
+    """Queries, their low-rank residual, the new window rows of ``x`` [N, D] (encoded:
+    bytes and values in ``window_format``; raw and None without one) and, for a layer
+    that runs its indexer (``index_wq_b`` given), the indexer's queries and head weights."""
     q, q_residual = attention.queries(x[None], cos, sin, wq_a, q_norm, wq_b, n_heads, eps)
     rows = attention.window_raw(x[None], cos, sin, wkv, kv_norm, eps)[0]
+    index_query = None
+    if index_wq_b is not None:
+        index_query = attention.indexer_query(x[None], q_residual, cos, sin, index_wq_b, index_weights, index_heads)
     if window_format is None:
-        return q, q_residual, rows, None
-    return q, q_residual, *encode_rows(window_format, payload, rows)
+        return q, q_residual, rows, None, index_query
+    return q, q_residual, *encode_rows(window_format, payload, rows), index_query
+
+
+def _pool_groups(rows, cos, sin, wkv, wgate, norm, ratio: int, eps: float, wk, k_norm, k_eps: float,
+                 entry_format: BlockFormat | None, entry_payload: int, key_format: BlockFormat | None,
+                 key_payload: int):
+    """A Full layer's new long-range entries and indexer keys from whole pooling groups
+    ``rows`` [B, G * ratio, D] (cos/sin at each group's first position), each encoded
+    (bytes, values) in its format, or raw (and None) without one: [B * G, ...]."""
+    latent = attention.pool_latents(rows, wkv, wgate, norm, ratio, eps)
+    entries = attention.CSA2Attention.compressed_raw(latent, cos, sin).flatten(0, 1)
+    keys = attention.index_keys_raw(latent, cos, sin, wk, k_norm, k_eps).flatten(0, 1)
+    return ((entries, None) if entry_format is None else encode_rows(entry_format, entry_payload, entries),
+            (keys, None) if key_format is None else encode_rows(key_format, key_payload, keys))
 
 
 def _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_groups: int):
@@ -116,6 +133,7 @@ class CompiledBlocks:
         self._after = torch.compile(_after_attention, **compile_options)
         self._attention_in = torch.compile(_attention_in, **compile_options)
         self._attention_out = torch.compile(_attention_out, **compile_options)
+        self._pool_groups = torch.compile(_pool_groups, **compile_options)
         config = model.config
         self._mhc = (config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
         self._weights: dict[int, tuple] = {}
@@ -136,12 +154,33 @@ class CompiledBlocks:
     def attention_in(self, attn: CSA2Attention, window: PackedRows, x: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor):
         """(queries [1, N, H, hd], residual [1, N, q_lora], the new rows of ``x`` [N, D]
-        encoded for ``window``: bytes [N, row bytes] and values [N, hd])."""
+        encoded for ``window``: bytes [N, row bytes] and values [N, hd], and the
+        indexer's :meth:`~model.attention.Indexer.query` of a layer that runs one, else
+        None)."""
         blocked = isinstance(window.fmt, BlockFormat)  # (a float32 cache: tiny test configs)
-        q, q_residual, rows, values = self._attention_in(
+        indexer = attn.indexer
+        index = (None, None, 0) if indexer is None else (indexer.wq_b.weight, indexer.weights_proj.weight,
+                                                          indexer.n_heads)
+        q, q_residual, rows, values, index_query = self._attention_in(
             x, cos, sin, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight, attn.wkv.weight,
-            attn.kv_norm.weight, attn.n_heads, attn.q_norm.eps, window.fmt if blocked else None, window.payload)
-        return (q, q_residual, rows, values) if blocked else (q, q_residual, *window.encode(rows))
+            attn.kv_norm.weight, attn.n_heads, attn.q_norm.eps, window.fmt if blocked else None, window.payload,
+            *index)
+        return (q, q_residual, *((rows, values) if blocked else window.encode(rows)), index_query)
+
+    def pool_groups(self, attn: CSA2Attention, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    entries: PackedRows, keys: PackedRows):
+        """:meth:`CSA2Attention.compress` of whole groups ``rows`` [B, G * ratio, D] (cos
+        and sin at the groups' first positions), encoded for the ``entries`` and ``keys``
+        caches: ((bytes, values) of the entries, (bytes, values) of the keys), [B * G, ...]."""
+        compressor, indexer = attn.compressor, attn.indexer
+        formats = [(rows.fmt, rows.payload) if isinstance(rows.fmt, BlockFormat) else (None, 0)
+                   for rows in (entries, keys)]
+        entry_rows, key_rows = self._pool_groups(
+            rows, cos, sin, compressor.wkv.weight, None if compressor.wgate is None else compressor.wgate.weight,
+            compressor.norm.weight, compressor.ratio, compressor.norm.eps, indexer.wk.weight, indexer.k_norm.weight,
+            indexer.k_norm.eps, *formats[0], *formats[1])
+        return (entry_rows if formats[0][0] is not None else entries.encode(entry_rows[0]),
+                key_rows if formats[1][0] is not None else keys.encode(key_rows[0]))
 
     def attention_out(self, attn: CSA2Attention, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

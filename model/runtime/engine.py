@@ -48,6 +48,11 @@ from ..transformer import Block, Transformer
 from .cache import SequenceCache, Window
 
 
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Row lists [n_i, d] as one [b, max n_i, d] tensor, zero-padded (one list: a view)."""
+    return rows[0][None] if len(rows) == 1 else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
 @dataclass
 class DecoderInput:
     """The decoder-input streams of the tokens the decoder will (re)play.
@@ -133,7 +138,8 @@ class Rewind:
 
 @dataclass
 class _Segment:
-    """New tokens of one sequence inside a flat batch: rows ``[lo, hi)``.
+    """New tokens of one sequence inside a flat batch: rows ``[lo, hi)``, at the
+    consecutive ``positions`` from ``first``.
 
     With ``rewind`` set (a verify step) the windows keep the rows a rollback may need
     and the pooling rows are recorded there.
@@ -144,6 +150,10 @@ class _Segment:
     lo: int
     hi: int
     rewind: Rewind | None = None
+    first: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.first = int(self.positions[0]) if len(self.positions) else self.cache.length
 
 
 class Engine:
@@ -386,7 +396,11 @@ class Engine:
         returns that map, called only when the first Engram layer is reached.
         ``image_mask`` [N]: the image positions (None: none).
         """
-        picks: list[dict] = [{} for _ in segments]  # per sequence: this step's indexer picks
+        # This step's indexer picks (and, batched, the padded rows of each KV source): per
+        # sequence, or one map for the whole batch when its cache reads are batched.
+        picks: dict | list[dict] = {} if self._batched(segments) else [{} for _ in segments]
+        positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the step's cos and sin, per rotary kind
         compiled = self.compiled is not None and image_mask is None and self.compiled.handles(streams.shape[0])
         run_block = self.compiled if compiled else None
         for index in layers:
@@ -394,7 +408,9 @@ class Engine:
             if tap is not None and index in tap.layers:
                 tap.streams[index] = streams
             def attend(x, block=block):
-                return self._attention(block, segments, x, picks)
+                if block.plan.rope not in rotary:
+                    rotary[block.plan.rope] = self.model.rotary[block.plan.rope](positions[None])
+                return self._attention(block, segments, x, picks, positions, *rotary[block.plan.rope])
 
             if run_block is not None:
                 streams, pre = run_block(block, streams, pre, attend, self._rows_of(block, rows))
@@ -418,72 +434,110 @@ class Engine:
             if block.engram is not None:
                 streams = block.engram(streams, self._rows_of(block, rows), None if image_mask is None else ~image_mask)
             x = block.attn_norm(mhc.collapse(streams, pre))
-            for s in segments:
-                self._compress(block, s.cache, x[s.lo : s.hi], s.positions)
+            self._compress(block, segments, x)
 
-    def _compress(self, block: Block, cache: SequenceCache, x: torch.Tensor, positions: torch.Tensor,
-                  rewind: Rewind | None = None) -> None:
-        """Extend a KV source's long-range entries and indexer keys with complete groups.
+    def _compress(self, block: Block, segments: list[_Segment], x: torch.Tensor) -> None:
+        """Extend a KV source's long-range entries and indexer keys with the complete
+        groups of every sequence's new rows ``x[lo:hi]`` (x [N, D]).
 
         Positions already covered by stored entries are skipped (so replays never
         rewrite long-range state); the incomplete group's hidden states stay pending.
-        With ``rewind``, the rows pooled from are recorded for :meth:`accept`.
+        A verify step records the rows pooled from in its rewind, for :meth:`accept`.
+        The groups of all sequences are pooled in one call, one group per row.
         """
         source, ratio = block.plan.index, block.plan.compress_ratio
-        entries, pending = cache.entries[source], cache.pending[source]
-        covered = entries.n * ratio
-        pending_start = covered
-        rows = torch.cat((pending, x)) if pending.shape[0] else x
-        row_pos = torch.cat((torch.arange(pending_start, pending_start + pending.shape[0], device=x.device), positions))
-        keep = row_pos >= covered
-        rows, row_pos = rows[keep], row_pos[keep]
-        if rows.shape[0] and int(row_pos[0]) != covered:
-            raise ValueError(f"layer {source}: pooling group starts at {int(row_pos[0])}, expected {covered}")
-        if rewind is not None:
-            rewind.pooling[source] = (rows, row_pos)
-        n_groups = rows.shape[0] // ratio
-        if n_groups:
-            new_entries, new_keys = block.attn.compress(rows[None], row_pos[None], self.model.rotary["compress"])
-            entries.append(new_entries[0])
-            cache.keys[source].append(new_keys[0])
-        cache.pending[source] = rows[n_groups * ratio :]
+        groups, owners = [], []
+        for segment in segments:
+            cache = segment.cache
+            pending, covered = cache.pending[source], cache.entries[source].n * ratio
+            if pending.shape[0]:
+                if segment.first != covered + pending.shape[0]:
+                    raise ValueError(f"layer {source}: tokens start at {segment.first}, "
+                                     f"pending rows end at {covered + pending.shape[0]}")
+                rows = torch.cat((pending, x[segment.lo : segment.hi]))
+                row_pos = torch.arange(covered, covered + rows.shape[0], device=x.device)
+            else:
+                skip = min(max(0, covered - segment.first), segment.hi - segment.lo)
+                rows, row_pos = x[segment.lo + skip : segment.hi], segment.positions[skip:]
+                if rows.shape[0] and segment.first + skip != covered:
+                    raise ValueError(f"layer {source}: pooling group starts at {segment.first + skip}, "
+                                     f"expected {covered}")
+            if segment.rewind is not None:
+                segment.rewind.pooling[source] = (rows, row_pos)
+            whole = rows.shape[0] // ratio * ratio
+            if whole:
+                groups.append((rows[:whole], row_pos[:whole]))
+                owners.append((cache, whole // ratio))
+            cache.pending[source] = rows[whole:]
+        if not groups:
+            return
+        if len(groups) == 1:
+            rows, row_pos = groups[0][0][None], groups[0][1][None]
+        else:
+            rows = torch.cat([g[0] for g in groups]).unflatten(0, (-1, ratio))
+            row_pos = torch.cat([g[1] for g in groups]).view(-1, ratio)
+        # Row by row, so encoding every sequence's rows at once gives each its own bytes.
+        entry_store, key_store = owners[0][0].entries[source], owners[0][0].keys[source]
+        if self.compiled is not None and self.compiled.handles(rows.shape[0] * rows.shape[1]):
+            cos, sin = self.model.rotary["compress"](row_pos[:, ::ratio])
+            entry_rows, key_rows = self.compiled.pool_groups(block.attn, rows, cos, sin, entry_store, key_store)
+        else:
+            new_entries, new_keys = block.attn.compress(rows, row_pos, self.model.rotary["compress"])
+            entry_rows, key_rows = entry_store.encode(new_entries.flatten(0, 1)), key_store.encode(new_keys.flatten(0, 1))
+        lo = 0
+        for cache, n_groups in owners:
+            cache.entries[source].append_encoded(*(t[lo : lo + n_groups] for t in entry_rows))
+            cache.keys[source].append_encoded(*(t[lo : lo + n_groups] for t in key_rows))
+            lo += n_groups
 
-    def _attention(self, block: Block, segments: list[_Segment], x: torch.Tensor, picks: list[dict]) -> torch.Tensor:
-        """One layer's attention over the flat batch: x [N, D] -> [N, D]. The per-token
-        work (projections, rotary, the attention itself) runs once over every
-        sequence's tokens; what reads a sequence's caches runs per sequence."""
+    def _batched(self, segments: list[_Segment]) -> bool:
+        """Whether a step's cache reads run once over the batch (:meth:`_batch_keys`):
+        every sequence feeds the same few tokens (decode, a verify of k guesses, short
+        replays), and the long-range rows padded to the longest sequence stay small.
+        Otherwise they run per sequence (:meth:`_sequence_keys`)."""
+        n = segments[0].hi - segments[0].lo
+        if not 0 < n <= self.BATCHED_TOKENS or any(s.hi - s.lo != n for s in segments):
+            return False
+        if len(segments) == 1:  # nothing to pad: the caches' own rows are read in place
+            return True
+        longest = {source: max(s.cache.entries[source].n for s in segments) + n for source in segments[0].cache.entries}
+        width = self.config.head_dim + self.config.index_head_dim
+        return 4 * width * len(segments) * sum(longest.values()) <= self.BATCHED_BYTES
+
+    BATCHED_TOKENS = 16
+    """The most tokens per sequence of a step whose cache reads are batched."""
+    BATCHED_BYTES = 64 << 20
+    """The most bytes the padded long-range rows of a batched step may take."""
+
+    def _attention(self, block: Block, segments: list[_Segment], x: torch.Tensor, picks: dict | list[dict],
+                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One layer's attention over the flat batch: x [N, D] at ``positions`` [N] (cos
+        and sin: their rotary angles) -> [N, D]. The per-token work (projections,
+        rotary, the attention itself) runs once over every sequence's tokens; what
+        reads a sequence's caches runs once over the batch (``picks`` a map) or per
+        sequence (a list of maps)."""
         plan, attn = block.plan, block.attn
-        positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
-        cos, sin = self.model.rotary[plan.rope](positions[None])
         windows = []
         for segment in segments:
             window = segment.cache.windows[plan.index]
             if window is None:
-                window = segment.cache.new_window(plan.index, int(segment.positions[0]))
-            if window.end != int(segment.positions[0]):
-                raise ValueError(f"layer {plan.index}: window ends at {window.end}, "
-                                 f"tokens start at {int(segment.positions[0])}")
+                window = segment.cache.new_window(plan.index, segment.first)
+            if window.end != segment.first:
+                raise ValueError(f"layer {plan.index}: window ends at {window.end}, tokens start at {segment.first}")
             windows.append(window)
         # Every sequence's new window rows quantised at once (row by row: the same bytes).
         fast = self.compiled if self.compiled is not None and self.compiled.handles(len(positions)) else None
         if fast is not None:
-            q, q_residual, window_bytes, window_values = fast.attention_in(attn, windows[0].rows, x, cos, sin)
+            q, q_residual, window_bytes, window_values, index_query = fast.attention_in(attn, windows[0].rows, x,
+                                                                                          cos, sin)
         else:
             q, q_residual = attn.queries(x[None], cos, sin)
             window_bytes, window_values = windows[0].rows.encode(attn.window_raw(x[None], cos, sin)[0])
-        keys, masks = [], []
-        for segment, window, segment_picks in zip(segments, windows, picks):
-            part = slice(segment.lo, segment.hi)
-            window.rows.append_encoded(window_bytes[part], window_values[part])
-            segment_keys, mask = self._keys(block, segment, window, x[part], q_residual[:, part],
-                                            cos[:, part], sin[:, part], segment_picks)
-            keys.append(segment_keys)
-            masks.append(mask)
-        if len(keys) > 1:  # sequences short of top-k entries: pad to the widest, masked
-            width = max(k.shape[1] for k in keys)
-            keys = [F.pad(k, (0, 0, 0, width - k.shape[1])) for k in keys]
-            masks = [F.pad(m, (0, width - m.shape[1])) for m in masks]
-        keys, mask = (keys[0], masks[0]) if len(keys) == 1 else (torch.cat(keys), torch.cat(masks))
+            index_query = None
+        for segment, window in zip(segments, windows):
+            window.rows.append_encoded(window_bytes[segment.lo : segment.hi], window_values[segment.lo : segment.hi])
+        keys_of = self._batch_keys if isinstance(picks, dict) else self._sequence_keys
+        keys, mask = keys_of(block, segments, windows, x, q_residual, cos, sin, picks, index_query)
         if fast is not None:
             out = fast.attention_out(attn, q, keys, mask, cos, sin)
         else:
@@ -499,11 +553,109 @@ class Engine:
                 window.start += excess
         return out
 
+    def _batch_keys(self, block: Block, segments: list[_Segment], windows: list[Window], x: torch.Tensor,
+                    q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: dict,
+                    index_query: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_sequence_keys` for ``b`` sequences of ``n`` tokens each, in a fixed
+        number of tensor ops however many sequences there are: (keys [b * n, T, hd],
+        mask [b * n, T]).
+
+        Each sequence's window rows that any of its queries may read are one slice of
+        its window; the slices, and the long-range entries and indexer keys of each KV
+        source (once per step, in ``state``), are padded to the longest sequence, and
+        the masks, the indexer and the gathers run over the padded batch. Padding is
+        masked, so each query attends to the places the per-sequence path gives it
+        (in another order where sequences are padded: equal to float rounding)."""
+        plan, b, n = block.plan, len(segments), segments[0].hi - segments[0].lo
+        device = x.device
+        firsts = [max(w.start, s.first - self.window + 1) for s, w in zip(segments, windows)]
+        views = [w.rows.values[first - w.start :] for w, first in zip(windows, firsts)]
+        window_keys = _padded(views)  # [b, Tw, hd]
+        width = window_keys.shape[1]
+        places = torch.arange(width, device=device)
+        query_pos = torch.cat([s.positions for s in segments]).view(b, n) if b > 1 else segments[0].positions[None]
+        delta = query_pos[:, :, None] - places - torch.tensor(firsts, device=device)[:, None, None]  # [b, n, Tw]
+        mask = (delta >= 0) & (delta < self.window)
+        if b > 1:
+            mask &= (places < torch.tensor([v.shape[0] for v in views], device=device)[:, None])[:, None]
+        keys = window_keys[:, None].expand(b, n, width, window_keys.shape[-1])
+        if plan.mode is not AttentionMode.WINDOW:
+            if plan.mode is AttentionMode.FULL:
+                self._compress(block, segments, x)
+            source = plan.kv_source
+            if ("rows", source) not in state:  # after the source's own layer added this step's groups
+                state["rows", source] = (_padded([s.cache.entries[source].values for s in segments]),
+                                         _padded([s.cache.keys[source].values for s in segments]))
+            entries, index_keys = state["rows", source]
+            if plan.runs_indexer:
+                state[plan.index] = self._batch_pick(block, index_keys, x, q_residual, cos, sin, query_pos, state,
+                                                     index_query)
+            index, valid = state[plan.index_source]  # [b, n, k]
+            picked = entries[torch.arange(b, device=device)[:, None, None], index]  # [b, n, k, hd]
+            keys = torch.cat((keys, picked), dim=2)
+            mask = torch.cat((mask, valid), dim=2)
+        return keys.flatten(0, 1), mask.flatten(0, 1)
+
+    def _batch_pick(self, block: Block, keys: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, query_pos: torch.Tensor, state: dict,
+                    index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_pick` over a padded batch: ``keys`` [b, E, d], ``query_pos`` [b, n];
+        returns (entry indices [b, n, k], valid [b, n, k]). ``index_query``: the
+        indexer's per-token half (:meth:`~model.attention.Indexer.query`) when the
+        compiled step computed it."""
+        plan, config, indexer = block.plan, self.config, block.attn.indexer
+        (b, n), n_entries = query_pos.shape, keys.shape[1]
+        k = min(config.index_topk, n_entries)
+        if k == 0:
+            empty = torch.zeros(b, n, 0, dtype=torch.long, device=x.device)
+            return empty, empty.bool()
+        n_visible = (query_pos + 1) // plan.compress_ratio  # [b, n]
+        q, weights = index_query or indexer.query(x[None], q_residual, cos, sin)
+        q, weights = q.view(b, n, *q.shape[2:]), weights.view(b, n, -1)
+        if plan.candidate_source is not None:
+            pool, pool_valid = state["candidates"]
+            pool_valid = pool_valid & (pool < n_visible[..., None])  # the newest block is partial
+            candidates = keys[torch.arange(b, device=x.device)[:, None, None], pool]  # [b, n, P, d]
+            scores = indexer.score(q, weights, candidates).masked_fill(~pool_valid, float("-inf"))
+        else:
+            pool = None
+            scores = indexer.score(q, weights, keys)
+            visible = torch.arange(n_entries, device=x.device) < n_visible[..., None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if plan.is_candidate_source:
+                state["candidates"] = candidate_entries(scores, n_visible, config.candidate_topk_blocks,
+                                                        config.candidate_block_size)
+        top, values = top_k(scores, k)
+        return (top if pool is None else pool.gather(-1, top)), values > float("-inf")
+
+    def _sequence_keys(self, block: Block, segments: list[_Segment], windows: list[Window], x: torch.Tensor,
+                       q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, picks: list[dict],
+                       index_query: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's keys [N, T, hd] and mask [N, T], sequence by sequence (each
+        sequence's new window rows already in its window); sequences short of top-k
+        entries are padded with masked keys. ``index_query`` as in :meth:`_batch_pick`."""
+        keys, masks = [], []
+        for segment, window, segment_picks in zip(segments, windows, picks):
+            part = slice(segment.lo, segment.hi)
+            segment_keys, mask = self._keys(block, segment, window, x, q_residual[:, part], cos[:, part],
+                                            sin[:, part], segment_picks,
+                                            None if index_query is None else tuple(t[:, part] for t in index_query))
+            keys.append(segment_keys)
+            masks.append(mask)
+        if len(keys) == 1:
+            return keys[0], masks[0]
+        width = max(k.shape[1] for k in keys)
+        keys = [F.pad(k, (0, 0, 0, width - k.shape[1])) for k in keys]
+        masks = [F.pad(m, (0, width - m.shape[1])) for m in masks]
+        return torch.cat(keys), torch.cat(masks)
+
     def _keys(self, block: Block, segment: _Segment, window: Window, x: torch.Tensor, q_residual: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor, picks: dict) -> tuple[torch.Tensor, torch.Tensor]:
+              cos: torch.Tensor, sin: torch.Tensor, picks: dict,
+              index_query: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's keys at one layer, its new rows already in its ``window``:
         (keys [n, W + k, hd], mask [n, W + k]) for its n tokens, the window places of
-        each query and, past a Window layer, the long-range entries its indexer picks."""
+        each query and, past a Window layer, the long-range entries its indexer picks.
+        ``x`` is the whole batch's [N, D]; the rest this sequence's."""
         plan, cache, positions = block.plan, segment.cache, segment.positions
         # Window places of each query: positions p - W + 1 .. p, where cached.
         offsets = torch.arange(self.window, device=x.device) - (self.window - 1)
@@ -512,21 +664,24 @@ class Engine:
         keys = window.rows.values[win_index.clamp_min(0)]  # [n, W, hd]
         if plan.mode is not AttentionMode.WINDOW:
             if plan.mode is AttentionMode.FULL:
-                self._compress(block, cache, x, positions, segment.rewind)
+                self._compress(block, [segment], x)
             entries = cache.entries[plan.kv_source].values
             if plan.runs_indexer:
-                picks[plan.index] = self._pick(block, cache, x, q_residual, cos, sin, positions, picks)
+                picks[plan.index] = self._pick(block, cache, x[segment.lo : segment.hi], q_residual, cos, sin,
+                                               positions, picks, index_query)
             index, valid = picks[plan.index_source]
             keys = torch.cat((keys, entries[index]), dim=1)  # [n, W + k, hd]
             mask = torch.cat((mask, valid), dim=1)
         return keys, mask
 
-    def _pick(self, block: Block, cache, x, q_residual, cos, sin, positions, picks) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indexer of one layer: (entry indices [n, k], valid [n, k]).
+    def _pick(self, block: Block, cache, x, q_residual, cos, sin, positions, picks,
+              index_query: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer of one layer over one sequence: (entry indices [n, k], valid [n, k]).
 
         Queries are scored in chunks, so prefill never holds an [n, heads, T] tensor.
         The candidate source lists its pool in ``picks``; a Reindex layer gathers and
-        scores only those candidates.
+        scores only those candidates. ``index_query``: the indexer's per-token half
+        for these tokens, when the compiled step computed it.
         """
         plan, config = block.plan, self.config
         keys = cache.keys[plan.kv_source].values
@@ -540,15 +695,18 @@ class Engine:
         step = self.query_chunk
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            args = (x[None, lo:hi], q_residual[:, lo:hi], cos[:, lo:hi], sin[:, lo:hi])
+            if index_query is None:
+                query = block.attn.indexer.query(x[None, lo:hi], q_residual[:, lo:hi], cos[:, lo:hi], sin[:, lo:hi])
+            else:
+                query = tuple(t[:, lo:hi] for t in index_query)
             if plan.candidate_source is not None:
                 pool, pool_valid = (t[lo:hi] for t in picks["candidates"])
                 pool_valid = pool_valid & (pool < n_visible[lo:hi, None])  # the newest block is partial
-                scores = block.attn.indexer.scores(*args, keys[pool][None])[0]
+                scores = block.attn.indexer.score(*query, keys[pool][None])[0]
                 scores = scores.masked_fill(~pool_valid, float("-inf"))
             else:
                 pool = None
-                scores = block.attn.indexer.scores(*args, keys[None])[0]
+                scores = block.attn.indexer.score(*query, keys[None])[0]
                 visible = torch.arange(n_entries, device=x.device) < n_visible[lo:hi, None]
                 scores = scores.masked_fill(~visible, float("-inf"))
                 if plan.is_candidate_source:

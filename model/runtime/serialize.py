@@ -211,7 +211,7 @@ def load_chunks(cache: SequenceCache, blobs: Iterable[bytes], identity: StateIde
         data = b"".join(parts)
         if data:
             rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, store.row_bytes)
-            store.append_bytes(rows.to(store._data.device))
+            store.append_bytes(rows.to(store.device))
     cache.length = length
     return loaded
 
@@ -301,7 +301,7 @@ def load_window(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> N
     (n_tail,) = reader.ints(1)
     tail = reader.ints(n_tail)
     reader.done()
-    device = next(iter(cache.entries.values()))._data.device if cache.entries else "cpu"
+    device = next(iter(cache.entries.values())).device if cache.entries else "cpu"
     for rows, data in staged:
         rows.append_bytes(data.to(device))
     for i, window in enumerate(windows):
