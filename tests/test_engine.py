@@ -223,8 +223,8 @@ def test_batched_cache_reads_equal_per_sequence_reads(which, golden_model, golde
     batch (decode and verify steps) and give what each sequence's own reads give:
     the same greedy tokens, logits to the golden tolerance, the same cache bytes. The
     prompts differ in length, so the batch is padded (different window starts, entry
-    counts short of top-k and beyond it); a verify step of three tokens per sequence
-    is taken back to two and to one."""
+    counts short of top-k and beyond it); verify steps, one with a different number of
+    tokens per sequence, are taken back."""
     model, hasher = (golden_model[1], golden_hasher) if which == "golden" else tiny
     prompts = [golden_prompts[0], golden_prompts[1][:40], golden_prompts[2][:7], golden_prompts[1]]
     engines = [Engine(model, hasher), _sequence_by_sequence(Engine(model, hasher))]
@@ -234,12 +234,13 @@ def test_batched_cache_reads_equal_per_sequence_reads(which, golden_model, golde
         logits = [[engine.replay(c, engine.prefill(c, p))] for c, p in zip(caches, prompts)]
         for step in range(6):
             fed = [[int(rows[-1].argmax())] for rows in logits]
-            if step in (2, 4):  # verify three tokens (the greedy one, then two more), keep 4 - step // 2 - 1
-                fed = [[t[0], (t[0] + 7) % 1000 + 3, (t[0] * 3) % 1000 + 3] for t in fed]
+            if step in (2, 4):  # verify the greedy token and up to two guesses each, keep some
+                counts, kept = ([3, 1, 2, 3], [2, 1, 2, 3]) if step == 2 else ([2, 2, 2, 2], [1, 2, 2, 1])
+                fed = [[t[0], (t[0] + 7) % 1000 + 3, (t[0] * 3) % 1000 + 3][:c] for t, c in zip(fed, counts)]
                 out, rewinds = engine.verify(list(zip(caches, fed)))
-                for cache, rewind, rows, step_logits in zip(caches, rewinds, logits, out):
-                    engine.accept(cache, rewind, 3 - step // 2)
-                    rows.extend(step_logits[: 3 - step // 2])
+                for cache, rewind, rows, step_logits, keep in zip(caches, rewinds, logits, out, kept):
+                    engine.accept(cache, rewind, keep)
+                    rows.extend(step_logits[:keep])
             else:
                 for rows, step_logits in zip(logits, engine.decode(list(zip(caches, fed)))):
                     rows.append(step_logits[-1])

@@ -48,6 +48,14 @@ from ..transformer import Block, Transformer
 from .cache import SequenceCache, Window
 
 
+def _laid_out(rows: torch.Tensor, slots: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
+    """A step's per-token rows [N, ...] as [b, n, ...]: in place when every sequence
+    feeds ``n`` tokens, else each token at its slot and the rest zeros."""
+    if slots is None:
+        return rows.view(b, n, *rows.shape[1:])
+    return rows.new_zeros(b * n, *rows.shape[1:]).index_put_((slots,), rows).view(b, n, *rows.shape[1:])
+
+
 def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
     """Row lists [n_i, d] as one [b, max n_i, d] tensor, zero-padded (one list: a view)."""
     return rows[0][None] if len(rows) == 1 else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
@@ -492,11 +500,11 @@ class Engine:
 
     def _batched(self, segments: list[_Segment]) -> bool:
         """Whether a step's cache reads run once over the batch (:meth:`_batch_keys`):
-        every sequence feeds the same few tokens (decode, a verify of k guesses, short
+        every sequence feeds a few tokens (decode, a verify of each one's guesses, short
         replays), and the long-range rows padded to the longest sequence stay small.
         Otherwise they run per sequence (:meth:`_sequence_keys`)."""
-        n = segments[0].hi - segments[0].lo
-        if not 0 < n <= self.BATCHED_TOKENS or any(s.hi - s.lo != n for s in segments):
+        n = max(s.hi - s.lo for s in segments)
+        if not n <= self.BATCHED_TOKENS or any(s.hi == s.lo for s in segments):
             return False
         if len(segments) == 1:  # nothing to pad: the caches' own rows are read in place
             return True
@@ -505,7 +513,7 @@ class Engine:
         return 4 * width * len(segments) * sum(longest.values()) <= self.BATCHED_BYTES
 
     BATCHED_TOKENS = 16
-    """The most tokens per sequence of a step whose cache reads are batched."""
+    """The most tokens a sequence may feed in a step whose cache reads are batched."""
     BATCHED_BYTES = 64 << 20
     """The most bytes the padded long-range rows of a batched step may take."""
 
@@ -536,8 +544,11 @@ class Engine:
             index_query = None
         for segment, window in zip(segments, windows):
             window.rows.append_encoded(window_bytes[segment.lo : segment.hi], window_values[segment.lo : segment.hi])
-        keys_of = self._batch_keys if isinstance(picks, dict) else self._sequence_keys
-        keys, mask = keys_of(block, segments, windows, x, q_residual, cos, sin, picks, index_query)
+        if isinstance(picks, dict):
+            keys, mask = self._batch_keys(block, segments, windows, x, q_residual, cos, sin, picks, index_query,
+                                          positions)
+        else:
+            keys, mask = self._sequence_keys(block, segments, windows, x, q_residual, cos, sin, picks, index_query)
         if fast is not None:
             out = fast.attention_out(attn, q, keys, mask, cos, sin)
         else:
@@ -555,10 +566,16 @@ class Engine:
 
     def _batch_keys(self, block: Block, segments: list[_Segment], windows: list[Window], x: torch.Tensor,
                     q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: dict,
-                    index_query: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_sequence_keys` for ``b`` sequences of ``n`` tokens each, in a fixed
-        number of tensor ops however many sequences there are: (keys [b * n, T, hd],
-        mask [b * n, T]).
+                    index_query: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_sequence_keys` for ``b`` sequences of at most ``n`` tokens each, in a
+        fixed number of tensor ops however many sequences there are: (keys [N, T, hd],
+        mask [N, T]) for the step's tokens at ``positions`` [N].
+
+        Queries are laid out [b, n], each sequence's tokens from its row's start; when
+        the sequences feed different counts (a verify of each one's own number of
+        guesses), the rows' tails are padding (``state["slots"]``: each token's place
+        in the [b * n] layout), computed on and dropped.
 
         Each sequence's window rows that any of its queries may read are one slice of
         its window; the slices, and the long-range entries and indexer keys of each KV
@@ -566,14 +583,20 @@ class Engine:
         the masks, the indexer and the gathers run over the padded batch. Padding is
         masked, so each query attends to the places the per-sequence path gives it
         (in another order where sequences are padded: equal to float rounding)."""
-        plan, b, n = block.plan, len(segments), segments[0].hi - segments[0].lo
-        device = x.device
+        plan, b, device = block.plan, len(segments), x.device
+        if "query_pos" not in state:  # once per step: the [b, n] layout of its tokens
+            counts = [s.hi - s.lo for s in segments]
+            n = max(counts)
+            state["slots"] = None if min(counts) == n else torch.cat(
+                [torch.arange(i * n, i * n + m, device=device) for i, m in enumerate(counts)])
+            state["query_pos"] = _laid_out(positions, state["slots"], b, n)
+        query_pos, slots = state["query_pos"], state["slots"]
+        n = query_pos.shape[1]
         firsts = [max(w.start, s.first - self.window + 1) for s, w in zip(segments, windows)]
         views = [w.rows.values[first - w.start :] for w, first in zip(windows, firsts)]
         window_keys = _padded(views)  # [b, Tw, hd]
         width = window_keys.shape[1]
         places = torch.arange(width, device=device)
-        query_pos = torch.cat([s.positions for s in segments]).view(b, n) if b > 1 else segments[0].positions[None]
         delta = query_pos[:, :, None] - places - torch.tensor(firsts, device=device)[:, None, None]  # [b, n, Tw]
         mask = (delta >= 0) & (delta < self.window)
         if b > 1:
@@ -594,7 +617,8 @@ class Engine:
             picked = entries[torch.arange(b, device=device)[:, None, None], index]  # [b, n, k, hd]
             keys = torch.cat((keys, picked), dim=2)
             mask = torch.cat((mask, valid), dim=2)
-        return keys.flatten(0, 1), mask.flatten(0, 1)
+        keys, mask = keys.flatten(0, 1), mask.flatten(0, 1)
+        return (keys, mask) if slots is None else (keys[slots], mask[slots])
 
     def _batch_pick(self, block: Block, keys: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, query_pos: torch.Tensor, state: dict,
@@ -610,8 +634,8 @@ class Engine:
             empty = torch.zeros(b, n, 0, dtype=torch.long, device=x.device)
             return empty, empty.bool()
         n_visible = (query_pos + 1) // plan.compress_ratio  # [b, n]
-        q, weights = index_query or indexer.query(x[None], q_residual, cos, sin)
-        q, weights = q.view(b, n, *q.shape[2:]), weights.view(b, n, -1)
+        q, weights = (_laid_out(t[0], state["slots"], b, n) for t in
+                      index_query or indexer.query(x[None], q_residual, cos, sin))
         if plan.candidate_source is not None:
             pool, pool_valid = state["candidates"]
             pool_valid = pool_valid & (pool < n_visible[..., None])  # the newest block is partial
