@@ -29,7 +29,9 @@ Attention reads exactly the places it is allowed: for each query, its window (at
 most ``sliding_window`` entries) and the ``index_topk`` long-range entries its
 indexer picked, gathered from the cache; the indexer scans the keys (Reindex layers
 only the candidate pool). Tokens of all sequences in a step are flattened into one
-batch for projections, mHC and MoE; attention runs per sequence.
+batch for projections, mHC, MoE and the attention itself; the cache reads (window
+places, pooling, the indexer, the gathers) run once over the padded batch in steps of
+a few tokens per sequence, and per sequence otherwise (long prompts).
 """
 
 from __future__ import annotations
