@@ -1,4 +1,4 @@
-"""The compiled layer step: a block's per-token work as four compiled functions.
+"""The compiled layer step: a block's per-token work as a few compiled functions.
 
 A decode step on a small model is bound by dispatch, not arithmetic: each layer runs
 two mHC mixes (a 24-wide projection and 20 Sinkhorn normalisations of a 4x4 matrix
@@ -9,9 +9,11 @@ before attention (the attention site's mixes, collapse, norm), the attention's i
 over the keys the engine gathered for it, the output projection) and the work after it
 (expand, the FFN site's mixes, collapse, norm, the MoE, expand) are each one function
 of tensors, compiled by ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) with
-dynamic token counts, so a batch of any size reuses the same code. What reads a
-sequence's caches between them (window places, the compressor, the indexer) stays
-eager, in :class:`model.runtime.engine.Engine`.
+dynamic token counts, so a batch of any size reuses the same code. The attention's
+input also carries the indexer's query of a layer that runs one, and a fifth
+function pools and encodes a Full layer's groups completed in the step. What reads
+the caches between them (window places, the indexer's scores and top-k, the gathers)
+stays eager, in :class:`model.runtime.engine.Engine`.
 
 No shape in the MoE here depends on the routing. With fewer routed slots (tokens x
 ``k``) than experts it gathers each token's ``k`` experts' weights ([N, k, inter,
