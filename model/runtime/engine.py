@@ -636,23 +636,37 @@ class Engine:
             empty = torch.zeros(b, n, 0, dtype=torch.long, device=x.device)
             return empty, empty.bool()
         n_visible = (query_pos + 1) // plan.compress_ratio  # [b, n]
-        q, weights = (_laid_out(t[0], state["slots"], b, n) for t in
+        query = tuple(_laid_out(t[0], state["slots"], b, n) for t in
                       index_query or indexer.query(x[None], q_residual, cos, sin))
+        top, valid, candidates = self._indexer_top(block, query, keys, n_visible, k, state.get("candidates"))
+        if candidates is not None:
+            state["candidates"] = candidates
+        return top, valid
+
+    def _indexer_top(self, block: Block, query: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                     n_visible: torch.Tensor, k: int, candidates: tuple[torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The indexer's choice for queries [b, n] (``query``: its per-token half) over
+        ``keys`` [b, E, d], entries ``>= n_visible`` [b, n] not yet complete: (entry
+        indices [b, n, k], valid [b, n, k], the pool a candidate source lists for the
+        Reindex layers after it, else None). A Reindex layer scores only ``candidates``
+        (pool [b, n, P], valid [b, n, P])."""
+        plan, config, indexer = block.plan, self.config, block.attn.indexer
         if plan.candidate_source is not None:
-            pool, pool_valid = state["candidates"]
+            pool, pool_valid = candidates
             pool_valid = pool_valid & (pool < n_visible[..., None])  # the newest block is partial
-            candidates = keys[torch.arange(b, device=x.device)[:, None, None], pool]  # [b, n, P, d]
-            scores = indexer.score(q, weights, candidates).masked_fill(~pool_valid, float("-inf"))
+            picked = keys[torch.arange(keys.shape[0], device=keys.device)[:, None, None], pool]  # [b, n, P, d]
+            scores = indexer.score(*query, picked).masked_fill(~pool_valid, float("-inf"))
+            listed = None
         else:
             pool = None
-            scores = indexer.score(q, weights, keys)
-            visible = torch.arange(n_entries, device=x.device) < n_visible[..., None]
+            scores = indexer.score(*query, keys)
+            visible = torch.arange(keys.shape[1], device=keys.device) < n_visible[..., None]
             scores = scores.masked_fill(~visible, float("-inf"))
-            if plan.is_candidate_source:
-                state["candidates"] = candidate_entries(scores, n_visible, config.candidate_topk_blocks,
-                                                        config.candidate_block_size)
+            listed = candidate_entries(scores, n_visible, config.candidate_topk_blocks,
+                                       config.candidate_block_size) if plan.is_candidate_source else None
         top, values = top_k(scores, k)
-        return (top if pool is None else pool.gather(-1, top)), values > float("-inf")
+        return (top if pool is None else pool.gather(-1, top)), values > float("-inf"), listed
 
     def _sequence_keys(self, block: Block, segments: list[_Segment], windows: list[Window], x: torch.Tensor,
                        q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, picks: list[dict],
@@ -725,22 +739,13 @@ class Engine:
                 query = block.attn.indexer.query(x[None, lo:hi], q_residual[:, lo:hi], cos[:, lo:hi], sin[:, lo:hi])
             else:
                 query = tuple(t[:, lo:hi] for t in index_query)
-            if plan.candidate_source is not None:
-                pool, pool_valid = (t[lo:hi] for t in picks["candidates"])
-                pool_valid = pool_valid & (pool < n_visible[lo:hi, None])  # the newest block is partial
-                scores = block.attn.indexer.score(*query, keys[pool][None])[0]
-                scores = scores.masked_fill(~pool_valid, float("-inf"))
-            else:
-                pool = None
-                scores = block.attn.indexer.score(*query, keys[None])[0]
-                visible = torch.arange(n_entries, device=x.device) < n_visible[lo:hi, None]
-                scores = scores.masked_fill(~visible, float("-inf"))
-                if plan.is_candidate_source:
-                    pools.append(candidate_entries(scores, n_visible[lo:hi], config.candidate_topk_blocks,
-                                                   config.candidate_block_size))
-            top, values = top_k(scores, k)
-            indices.append(top if pool is None else pool.gather(-1, top))
-            valid.append(values > float("-inf"))
+            candidates = None if plan.candidate_source is None else tuple(t[None, lo:hi] for t in picks["candidates"])
+            top, chunk_valid, listed = self._indexer_top(block, query, keys[None], n_visible[None, lo:hi], k,
+                                                         candidates)
+            indices.append(top[0])
+            valid.append(chunk_valid[0])
+            if listed is not None:
+                pools.append(tuple(t[0] for t in listed))
         if pools:
             picks["candidates"] = tuple(torch.cat(parts) for parts in zip(*pools))
         return torch.cat(indices), torch.cat(valid)
