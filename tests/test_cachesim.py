@@ -259,3 +259,37 @@ def test_the_requests_table_adds_up_to_the_totals(tmp_path):
         assert pc.sum(rows[column].cast("int64")).as_py() == total, column
     times = rows["time_s"].to_pylist()
     assert times == sorted(times)
+
+
+@pytest.mark.parametrize("workload", ["agent", "trace"])
+def test_the_loop_leaves_nothing_for_the_cyclic_collector(workload, tmp_path):
+    """The simulator runs with the cyclic GC off and collects nothing itself
+    (``collector_paused``): sound only while its loop makes no reference cycles. Every
+    path runs here: RAM evictions, SSD hits and expiry, GC, checkpoints, the table."""
+    import gc
+
+    from cluster.cachesim.simulate import RequestTable, Simulator
+    from cluster.cachesim.workload import Profile, synthetic
+
+    if workload == "agent":
+        requests = synthetic(Profile.named("agent", sessions=200, hours=6))
+    else:
+        requests = itertools.islice(mooncake(CONVERSATION_TRACE, stretch=40), 1500)
+    simulator = Simulator(SimConfig(V4, ram_bytes=2_000_000, chunk_retention_hours=2.0, hours=6))
+    table = RequestTable(tmp_path / "requests.parquet")
+    gc.collect()
+    gc.disable()
+    try:
+        totals = simulator.run(requests, checkpoint=tmp_path / "state.npz", checkpoint_every_s=0.0, table=table).totals
+        assert gc.collect() == 0
+        stats = simulator.store.stats()
+    finally:
+        gc.enable()
+        table.close()
+        simulator.close()
+    assert totals.hit_tokens_ram and totals.hit_tokens_ssd
+    assert totals.window_hits_ssd or workload == "trace"  # (a trace's turns resume no window state)
+    assert stats.tiers["ram"].evictions and stats.tiers["ssd"].expirations
+    # With the collector on, the run hands it back on, holding no frozen objects.
+    simulate(SimConfig(SIZES), _turns(0.0, 60.0))
+    assert gc.isenabled() and gc.get_freeze_count() == 0

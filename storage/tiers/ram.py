@@ -134,19 +134,19 @@ class RamTier(LocalTier):
 
     def gc(self) -> None:
         now = self._clock()
-        expired: list[ObjectKey] = []
+        expired: list[tuple[Kind, bytes]] = []
         with self._lock:
             for kind, entries in self._by_kind.items():
                 for digest, entry in entries.items():  # oldest first: stop at the first one still kept
                     if entry.expires > now:
                         break
-                    expired.append(ObjectKey(kind, digest))
-            for key in expired:
-                self._pop(key.digest)
+                    expired.append((kind, digest))
+            for _, digest in expired:
+                self._pop(digest)
         self._counters.add(expirations=len(expired))
-        if self._on_drop is not None:
-            for key in expired:
-                self._on_drop(key)
+        if self._on_drop is not None:  # (keys only for a listener: the retention lab expires millions unheard)
+            for kind, digest in expired:
+                self._on_drop(ObjectKey(kind, digest))
 
     def entries(self) -> list[tuple[ObjectKey, float]]:
         with self._lock:
