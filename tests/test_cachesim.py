@@ -293,3 +293,36 @@ def test_the_loop_leaves_nothing_for_the_cyclic_collector(workload, tmp_path):
     # With the collector on, the run hands it back on, holding no frozen objects.
     simulate(SimConfig(SIZES), _turns(0.0, 60.0))
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+@pytest.mark.slow
+def test_a_killed_command_takes_its_policy_processes_with_it():
+    """A job scheduler's SIGTERM, or SIGKILL, ends `cache-sim run` without its cleanup:
+    the policies' processes must not run on without it."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    command = subprocess.Popen([sys.executable, "-m", "cluster.cli", "cache-sim", "run", "--profile", "agent",
+                                "--sessions", "1000000", "--hours", "96", "--no-checkpoint"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(children) < 2 and time.monotonic() < deadline:  # the two policies' (and a resource tracker)
+            children = [c for c in psutil.Process(command.pid).children(recursive=True)
+                        if "spawn_main" in " ".join(c.cmdline())]
+            time.sleep(0.2)
+        assert len(children) == 2
+        command.send_signal(signal.SIGKILL)
+        command.wait(timeout=30)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive
+    finally:
+        for process in (command, *children):  # (a failure leaves none behind either)
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                process.kill()

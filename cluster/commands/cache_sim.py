@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -99,6 +101,7 @@ def in_policy_processes(calls: list[tuple]) -> list[dict]:
 
 
 def _policy_process(sender, call: tuple) -> None:
+    _exit_with_parent()
     try:
         outcome = (True, _simulate(*call))
     except BaseException as error:  # noqa: BLE001 (any of them, Ctrl-C too: the caller raises it)
@@ -107,6 +110,21 @@ def _policy_process(sender, call: tuple) -> None:
     sender.send(outcome)
     sender.close()
     os._exit(0)  # the simulator in _kept is not freed object by object: the OS takes the memory back at once
+
+
+def _exit_with_parent() -> None:
+    """End this process when the command's process ends. A command killed outright (SIGTERM
+    from a job scheduler, SIGKILL) cannot terminate its children, which would otherwise run
+    on for the rest of a half-hour simulation each, holding a core and gigabytes."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])  # readable once the parent is gone
+        os._exit(1)
+
+    threading.Thread(target=watch, name="v41-cache-sim-parent", daemon=True).start()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
