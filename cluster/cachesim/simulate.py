@@ -64,7 +64,7 @@ def collector_paused():
 
     On the way out, what the run made joins the oldest generation unscanned
     (``gc.freeze`` then ``gc.unfreeze``): re-enabling the collector would otherwise walk
-    all of it at the next allocation (2.4 s of a 57 s run at 50,000 sessions). Skipped
+    all of it at the next allocation (2.4 s of a 72 s run at 50,000 sessions). Skipped
     where the process keeps frozen objects of its own, which ``unfreeze`` would release."""
     enabled = gc.isenabled()
     gc.disable()
