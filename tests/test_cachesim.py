@@ -6,8 +6,10 @@ only) giving identical counters on the same trace slice."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -295,34 +297,56 @@ def test_the_loop_leaves_nothing_for_the_cyclic_collector(workload, tmp_path):
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
+def _live_children(pid: int) -> list[int]:
+    """The policy processes (spawned children) whose parent is ``pid`` and that have not
+    exited (Linux ``/proc``: a zombie counts as exited)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        if int(parent) == pid and state != "Z" and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_a_killed_command_takes_its_policy_processes_with_it():
     """A job scheduler's SIGTERM, or SIGKILL, ends `cache-sim run` without its cleanup:
     the policies' processes must not run on without it."""
-    import contextlib
+    import os
     import signal
     import subprocess
     import sys
     import time
 
-    import psutil
-
     command = subprocess.Popen([sys.executable, "-m", "cluster.cli", "cache-sim", "run", "--profile", "agent",
                                 "--sessions", "1000000", "--hours", "96", "--no-checkpoint"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    children = []
+    children: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while len(children) < 2 and time.monotonic() < deadline:  # the two policies' (and a resource tracker)
-            children = [c for c in psutil.Process(command.pid).children(recursive=True)
-                        if "spawn_main" in " ".join(c.cmdline())]
+        while len(children) < 2 and time.monotonic() < deadline:  # the two policies' (not the resource tracker)
+            children = _live_children(command.pid)
             time.sleep(0.2)
         assert len(children) == 2
         command.send_signal(signal.SIGKILL)
         command.wait(timeout=30)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive
+        deadline = time.monotonic() + 30
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, children))
     finally:
-        for process in (command, *children):  # (a failure leaves none behind either)
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                process.kill()
+        command.kill()
+        for pid in children:  # (a failure leaves none behind either)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
