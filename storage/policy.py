@@ -66,11 +66,13 @@ class RetentionPolicy:
 
     def retention_s(self, kind: Kind, tier: TierName) -> float | None:
         """Seconds an object of ``kind`` stays in ``tier`` after its last use; None: never stored there."""
-        if kind is Kind.CHUNK:
-            return self.chunk_retention_hours * 3600.0
-        if tier is TierName.RAM:
-            return self.window_ttl_minutes * 60.0
+        if kind is Kind.CHUNK or tier is TierName.RAM:
+            return self.ram_retention_s(kind)
         return self.chunk_retention_hours * 3600.0 if self.persist_window_states else None
+
+    def ram_retention_s(self, kind: Kind) -> float:
+        """Seconds an object of ``kind`` stays in host RAM after its last use (every kind lives there)."""
+        return self.chunk_retention_hours * 3600.0 if kind is Kind.CHUNK else self.window_ttl_minutes * 60.0
 
     @property
     def longest_retention_s(self) -> float:

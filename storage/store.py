@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 from storage.codec import Codec
 from storage.index import SHARED_NODE, IndexPublisher, Location, RedisIndex
@@ -92,11 +93,12 @@ class TieredStore:
         self._on_drop = on_drop
         self._drops_from = frozenset(drops_from)
         self._policy = config.retention
-        # Seconds per tier and kind (None: that kind is never stored in that tier).
-        self._retention = {tier: {kind: self._policy.retention_s(kind, tier) for kind in Kind} for tier in TierName}
+        # Seconds per tier and kind, for the kinds each tier keeps.
+        self._retention: dict[TierName, dict[Kind, float]] = {
+            tier: {kind: retention for kind in Kind if (retention := self._policy.retention_s(kind, tier)) is not None}
+            for tier in TierName}
         # The kinds each lower tier takes (a set of ints: the write path's test, without enum look-ups).
-        self._lower_kinds = {tier: frozenset(kind for kind in Kind if self._retention[tier][kind] is not None)
-                             for tier in (TierName.SSD, TierName.REDIS)}
+        self._lower_kinds = {tier: frozenset(self._retention[tier]) for tier in (TierName.SSD, TierName.REDIS)}
         self._clock = clock
         self._codec = Codec(fingerprint)
         self._counters = {tier: TierCounters() for tier in TierName}
@@ -150,8 +152,8 @@ class TieredStore:
 
     def _publish(self, key: ObjectKey, location: Location) -> None:
         """Tell the index that a copy was stored at ``location`` (callers check that there is one)."""
-        retention = self._retention[location.tier][key.kind]
-        self._publisher.added(key, location, self._clock() + retention)
+        assert self._publisher is not None
+        self._publisher.added(key, location, self._clock() + self._retention[location.tier][key.kind])
 
     def _local_entries(self) -> Iterator[tuple[ObjectKey, Location, float]]:
         for tier in (self._ram, self._ssd):
@@ -189,6 +191,7 @@ class TieredStore:
             self._write_lower([WriteJob(key, data, False, True)])
 
     def _write_ssd(self, key: ObjectKey, payload: bytes, replace: bool = False) -> None:
+        assert self._ssd is not None
         if self._ssd.put(key, payload, replace) and self._publisher is not None:
             self._publish(key, self._here[_SSD])
 
@@ -199,6 +202,7 @@ class TieredStore:
                 self._write_ssd(job.key, job.payload, job.replace)
         shared = [(job.key, job.payload) for job in jobs if job.to_redis]
         if shared:
+            assert self._redis is not None
             for (key, _), stored in zip(shared, self._redis.put_many(shared)):
                 if stored and self._publisher is not None:
                     self._publish(key, self._shared)
@@ -283,8 +287,8 @@ class TieredStore:
         while len(out) < len(keys):
             start = len(out)
             rest = keys[start:] if start else keys
-            found = self._ram.get_many(rest, prefix=True)
-            out += [(payload, _RAM) for payload in found]
+            found = self._ram.get_many(rest, prefix=True)  # (hits only: no None)
+            out += [(cast(bytes, payload), _RAM) for payload in found]
             if self._publisher is not None:
                 self._published_use(_RAM, rest[: len(found)])
             if len(out) == len(keys):
@@ -371,7 +375,8 @@ class TieredStore:
         if not self.config.ssd_sizes_only or self._redis is not None:
             raise ValueError("only a store of sizes (ssd_sizes_only, no Redis) has a sized state")
         return {"ram": (self._ram.usage()[0], self._ram.sized_state()),
-                "ssd": (self._ssd.usage()[0], self._ssd.sized_state()) if self._ssd is not None else (0, iter(())),
+                "ssd": (ssd.usage()[0], ssd.sized_state()) if isinstance(ssd := self._ssd, SizedSsdTier)
+                else (0, iter(())),
                 "counters": {tier.value: asdict(c.snapshot()) for tier, c in self._counters.items()},
                 "gc_runs": self._gc_runs}
 
@@ -381,7 +386,7 @@ class TieredStore:
         if not self.config.ssd_sizes_only or self.stats().objects.get("ram"):
             raise ValueError("a sized state goes into an empty store of sizes")
         self._ram.restore_sized(state["ram"])
-        if self._ssd is not None:
+        if isinstance(self._ssd, SizedSsdTier):
             self._ssd.restore_sized(state["ssd"])
         for tier, values in state["counters"].items():
             self._counters[TierName(tier)].add(**values)

@@ -222,10 +222,11 @@ def test_a_checkpoint_streams_the_stored_objects(tmp_path, monkeypatch):
     of objects, and a copy of them (~200 B each) was gigabytes on top of the state."""
     import tracemalloc
 
+    from cluster.cachesim import checkpoints
     from cluster.cachesim import simulate as module
     from cluster.cachesim.workload import Profile, synthetic
 
-    monkeypatch.setattr(module, "_ROWS_PER_WRITE", 1000)
+    monkeypatch.setattr(checkpoints, "ROWS_PER_WRITE", 1000)
     persisted = Sizes("test", CHUNK_TOKENS, chunk_bytes=1000, window_bytes=5000, persist_windows=True, source="test")
     config = SimConfig(persisted, ram_bytes=4_000_000, hours=24)
     with module.Simulator(config) as simulator:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from cluster.cachesim.sessions import _Session
 from cluster.cachesim.workload import (
     CHUNK_TOKENS,
     CONVERSATION_TRACE,
     SYNTHETIC_TRACE,
     Profile,
-    _Session,
     mooncake,
     synthetic,
 )
@@ -123,7 +123,7 @@ def test_a_session_is_held_only_while_it_runs():
 
 
 def test_the_agenda_gives_the_earliest_turn_and_equal_times_in_session_order():
-    from cluster.cachesim.workload import _Agenda
+    from cluster.cachesim.sessions import _Agenda
 
     sessions = [_Session(i, 1, 0, 0, [], 0, []) for i in range(5)]
     agenda = _Agenda()

@@ -37,19 +37,21 @@ import struct
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from cluster.cachesim import checkpoints
 from cluster.cachesim.sizes import Sizes
 from cluster.cachesim.workload import CHUNK_TOKENS, Request, WindowId
 from storage.codec import HEADER_BYTES
 from storage.keys import Fingerprint, Kind, ObjectKey
 from storage.policy import RetentionPolicy, TierName
 from storage.store import StoreConfig, TieredStore
-from storage.tiers.ssd import SizedPayload
+from storage.tiers.sized import SizedPayload
 
 CHECKPOINT_SHARE = 0.02  # of a run's wall time, at most, spent writing checkpoints
 
@@ -81,13 +83,8 @@ def collector_paused():
 _KEY = struct.Struct("<qqq8x")
 # Enum members by attribute cost ~60 ns each: the loop's are looked up once.
 _CHUNK, _WINDOW, _RAM = Kind.CHUNK, Kind.WINDOW, TierName.RAM
-# Checkpoints: one row per stored object (digest, kind, size, last use or expiry) and
-# per extent (owner, first chunk, end), written and read this many at a time.
+# The layout of a checkpoint (its rows: cluster.cachesim.checkpoints).
 CHECKPOINT_FORMAT = 2
-_STORED_ROW = struct.Struct("<32sbqd")
-_EXTENT_ROW = struct.Struct("<qqq")
-_STORED_DTYPE = np.dtype([("digest", "V32"), ("kind", "i1"), ("size", "<i8"), ("time", "<f8")])
-_ROWS_PER_WRITE = 1 << 16
 FINGERPRINT = Fingerprint(b"v41-cache-sim\x00\x00\x00")
 
 
@@ -211,8 +208,11 @@ class Simulator:
     def __init__(self, config: SimConfig, directory: str | Path | None = None) -> None:
         self.config = config
         self.clock = _Clock()
-        self._tmp = tempfile.TemporaryDirectory(prefix="v41-cache-sim-") if directory is None else None
-        root = Path(directory if directory is not None else self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        if directory is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="v41-cache-sim-")
+            directory = self._tmp.name
+        root = Path(directory)
         self._store_config = StoreConfig(node_id="sim", ssd_dir=root / "ssd", retention=config.policy(),
                                          gc_thread=False, write_behind=False, ssd_sizes_only=config.mode == "scale")
         self.store = TieredStore(self._store_config, FINGERPRINT, clock=self.clock, on_drop=self._dropped,
@@ -298,7 +298,7 @@ class Simulator:
         totals.prefill_tokens += prefill
         return hit_chunks, prefill, extents
 
-    def turn_end(self, request: Request, hit_chunks: int, found: list[tuple[int, int, int]] = ()) -> None:
+    def turn_end(self, request: Request, hit_chunks: int, found: Sequence[tuple[int, int, int]] = ()) -> None:
         """Store the chunks the conversation completed (from the first not found) and the
         window state after the answer. The new chunks of an owner join the extents of that
         owner read whole just before them (all were used now: one last-use time), so a
@@ -339,7 +339,8 @@ class Simulator:
     def _extent_keys(self, runs) -> tuple[list[ObjectKey], list[tuple[int, int, int, int]]]:
         """The stored extents that cover the runs from their start, in order, and per
         extent (owner, first chunk, its chunks, the chunks of it the runs use)."""
-        keys, spans = [], []
+        keys: list[ObjectKey] = []
+        spans: list[tuple[int, int, int, int]] = []
         for owner, first, end in runs:
             extents = self._extents.get(owner)
             position = first
@@ -474,7 +475,7 @@ class Simulator:
 
     def save(self, path: Path) -> None:
         """Write the whole state to ``path`` (an .npz: arrays and JSON, no pickle), atomically.
-        The stored objects and extents are streamed into it ``_ROWS_PER_WRITE`` at a time:
+        The stored objects and extents are streamed into it ``checkpoints.ROWS_PER_WRITE`` at a time:
         a save of tens of millions of them adds megabytes to the process, not gigabytes."""
         state = self.store.sized_state()
         tiers = {tier: state.pop(tier) for tier in ("ram", "ssd")}
@@ -489,11 +490,11 @@ class Simulator:
             with archive.open("meta.npy", "w", force_zip64=True) as out:
                 np.lib.format.write_array(out, np.array(json.dumps(meta)))
             for tier, (count, rows) in tiers.items():
-                _write_rows(archive, tier, _STORED_DTYPE, (count,), rows, _STORED_ROW)
+                checkpoints.write_rows(archive, tier, checkpoints.STORED_DTYPE, (count,), rows, checkpoints.STORED_ROW)
             extents = sum(len(spans) for spans in self._extents.values())
-            _write_rows(archive, "extents", np.dtype("<i8"), (extents, 3),
-                        ((owner, first, end) for owner, spans in self._extents.items()
-                         for first, (end, _) in spans.items()), _EXTENT_ROW)
+            checkpoints.write_rows(archive, "extents", checkpoints.EXTENT_DTYPE, (extents, 3),
+                                   ((owner, first, end) for owner, spans in self._extents.items()
+                                    for first, (end, _) in spans.items()), checkpoints.EXTENT_ROW)
         tmp.replace(path)
 
     def load(self, path: Path) -> None:
@@ -506,13 +507,11 @@ class Simulator:
             if meta["config"] != self._config_fingerprint():
                 raise ValueError(f"the checkpoint {path} was written by a run with other settings")
             state = meta["store"]
-            state.update(ram=_stored_rows(data["ram"]), ssd=_stored_rows(data["ssd"]))
+            state.update(ram=checkpoints.stored_rows(data["ram"]), ssd=checkpoints.stored_rows(data["ssd"]))
             self.store.restore_sized(state)
-            extents = data["extents"]
             self._extents = {}
-            for start in range(0, len(extents), _ROWS_PER_WRITE):
-                for owner, first, end in extents[start:start + _ROWS_PER_WRITE].tolist():
-                    self._extents.setdefault(owner, {})[first] = (end, _chunk_key(owner, first))
+            for owner, first, end in checkpoints.extent_rows(data["extents"]):
+                self._extents.setdefault(owner, {})[first] = (end, _chunk_key(owner, first))
         self.clock.now = meta["clock"]
         self.totals = Totals(**meta["totals"])
         self.samples = [Sample(**s) for s in meta["samples"]]
@@ -548,7 +547,7 @@ class RequestTable:
     def __init__(self, path: Path, rows_per_group: int = 1 << 20) -> None:
         self.path, self.rows_per_group = Path(path), rows_per_group
         self._columns: dict[str, list] = {name: [] for name in self.COLUMNS}
-        self._writer = None
+        self._writer: Any = None  # a pyarrow.parquet.ParquetWriter once the first group is written
         self.rows = 0
 
     def add(self, request: Request, hit_ram: int, hit_ssd: int, window_hit: bool, replay: bool, prefill: int) -> None:
@@ -574,28 +573,6 @@ class RequestTable:
         if self._columns["time_s"] or self._writer is None:
             self._flush()
         self._writer.close()
-
-
-def _write_rows(archive: zipfile.ZipFile, name: str, dtype: np.dtype, shape: tuple[int, ...], rows,
-                row: struct.Struct) -> None:
-    """``rows`` (each packed by ``row``) as ``name.npy`` in ``archive``, an array of
-    ``shape`` and ``dtype`` that ``np.load`` reads, without holding them all."""
-    written = 0
-    with archive.open(name + ".npy", "w", force_zip64=True) as out:
-        np.lib.format.write_array_header_2_0(out, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                                   "fortran_order": False, "shape": shape})
-        while batch := list(itertools.islice(rows, _ROWS_PER_WRITE)):
-            out.write(b"".join(itertools.starmap(row.pack, batch)))
-            written += len(batch)
-    if written != shape[0]:
-        raise RuntimeError(f"checkpoint: {written} {name} rows written, {shape[0]} expected")
-
-
-def _stored_rows(array: np.ndarray):
-    """The rows of a saved tier as :meth:`TieredStore.restore_sized` takes them."""
-    for start in range(0, len(array), _ROWS_PER_WRITE):
-        part = array[start:start + _ROWS_PER_WRITE]
-        yield from zip(part["digest"].tolist(), part["kind"].tolist(), part["size"].tolist(), part["time"].tolist())
 
 
 def _request_fields(request: Request) -> dict:

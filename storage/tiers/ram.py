@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from storage.keys import Kind, ObjectKey
 from storage.metrics import TierCounters
 from storage.policy import RetentionPolicy, TierName
-from storage.tiers.base import LocalTier, OnDrop
+from storage.tiers.base import LocalTier, OnDrop, payload_size
+from storage.tiers.sized import SizedPayload
 
 
 class _Entry:
@@ -37,7 +38,7 @@ class RamTier(LocalTier):
                  on_drop: OnDrop | None) -> None:
         """``on_drop`` None: nobody is told of drops (evictions then build no keys)."""
         # Retention per kind, looked up once: every kind may live in RAM.
-        self._ttl = {kind: policy.retention_s(kind, TierName.RAM) for kind in Kind}
+        self._ttl = {kind: policy.ram_retention_s(kind) for kind in Kind}
         self._capacity = policy.ram_capacity_bytes
         self._clock = clock
         self._counters = counters
@@ -102,7 +103,7 @@ class RamTier(LocalTier):
         return results
 
     def put(self, key: ObjectKey, payload: bytes) -> bool:
-        size = len(payload)
+        size = payload_size(payload)
         if size > self._capacity:
             return False
         now = self._clock()
@@ -121,8 +122,10 @@ class RamTier(LocalTier):
             self._entries[key.digest] = self._by_kind[key.kind][key.digest] = entry
             self._bytes += size
         self._counters.writes(1, size, evictions)
-        for old_key in evicted:
-            self._on_drop(old_key)
+        on_drop = self._on_drop
+        if on_drop is not None:
+            for old_key in evicted:
+                on_drop(old_key)
         return True
 
     def remove(self, key: ObjectKey) -> bool:
@@ -166,8 +169,6 @@ class RamTier(LocalTier):
 
     def restore_sized(self, rows) -> None:
         """Hold ``rows`` (as :meth:`sized_state` gives them) as sized payloads, in that order."""
-        from storage.tiers.ssd import SizedPayload
-
         with self._lock:
             for digest, kind, size, expires in rows:
                 kind = Kind(kind)

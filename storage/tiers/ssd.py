@@ -32,7 +32,8 @@ from storage.codec import HEADER_BYTES, Codec, CorruptObject
 from storage.keys import Kind, ObjectKey
 from storage.metrics import TierCounters
 from storage.policy import FsyncPolicy, RetentionPolicy, TierName
-from storage.tiers.base import LocalTier, OnDrop
+from storage.tiers.base import LocalTier, OnDrop, payload_size
+from storage.tiers.sized import SizedPayload
 
 WriteFile = Callable[[int, Sequence[bytes]], None]
 
@@ -86,7 +87,9 @@ class SsdTier(LocalTier):
         self._prefix = str(self._dir)  # paths are built as strings: pathlib costs more than a read
         self._codec = codec
         self._policy = policy
-        self._retention = {kind: policy.retention_s(kind, TierName.SSD) for kind in Kind}  # None: not kept here
+        # Seconds per kind kept here (a kind not in it is not kept: V4.1's window states).
+        self._retention: dict[Kind, float] = {
+            kind: retention for kind in Kind if (retention := policy.retention_s(kind, TierName.SSD)) is not None}
         self._clock = clock
         self._counters = counters
         self._on_drop = on_drop
@@ -114,14 +117,16 @@ class SsdTier(LocalTier):
                 continue  # temp files: GC decides
             stem, dot, suffix = name.partition(".")
             kind = _KIND_OF_SUFFIX.get(dot + suffix)
+            if kind is None:
+                continue  # not ours
             try:
-                key = ObjectKey.from_hex(kind, stem) if kind is not None else None
+                key = ObjectKey.from_hex(kind, stem)
                 stat = os.stat(path)
             except (ValueError, OSError):
                 continue  # not ours, or gone meanwhile
-            if key is None or path != self._path(key.hex, kind):
+            if path != self._path(key.hex, kind):
                 continue
-            retention = self._retention[kind]
+            retention = self._retention.get(kind)
             if retention is None or now - stat.st_mtime > retention:
                 self._unlink(path)
                 self._counters.add(expirations=1)
@@ -134,7 +139,7 @@ class SsdTier(LocalTier):
                 self._bytes += entry.size
 
     def _walk(self) -> list[str]:
-        files = []
+        files: list[str] = []
         for first in os.scandir(self._dir):
             if not first.is_dir(follow_symlinks=False):
                 continue
@@ -203,7 +208,7 @@ class SsdTier(LocalTier):
             if payload is not None:
                 results[i] = payload
                 hits += 1
-                hit_bytes += len(payload)
+                hit_bytes += payload_size(payload)
         self._counters.reads(hits, len(keys) - hits, hit_bytes)
         return results
 
@@ -242,7 +247,7 @@ class SsdTier(LocalTier):
         """``replace``: the key's bytes changed (the retention lab's extents grow under
         one key): a stored copy is rewritten, as a ``remove`` then ``put`` would, instead
         of counting as a use. Its file is overwritten in place, or deleted if the write fails."""
-        if self._retention[key.kind] is None:
+        if key.kind not in self._retention:
             return False
         now = self._clock()
         replaced = None
@@ -257,7 +262,7 @@ class SsdTier(LocalTier):
                     entry.last_used = now
                     self._index.move_to_end(key.digest)
                     return True
-        size = HEADER_BYTES + len(payload)
+        size = HEADER_BYTES + payload_size(payload)
         capacity = self._policy.ssd_capacity_bytes
         fits = capacity is None or size <= capacity
         if fits and capacity is not None:
@@ -321,9 +326,10 @@ class SsdTier(LocalTier):
         freed = 0
         while freed < need:
             with self._lock:
-                if not self._index:
-                    break
-                digest, entry = next(iter(self._index.items()))
+                oldest = next(iter(self._index.items()), None)
+            if oldest is None:
+                break
+            digest, entry = oldest
             freed += entry.size
             self._drop(ObjectKey(entry.kind, digest), entry, "evictions")
         return freed > 0
@@ -340,7 +346,7 @@ class SsdTier(LocalTier):
         now = self._clock()
         # Least recently used first: past the first entry used within the shortest
         # retention, nothing has expired.
-        shortest = min(r for r in self._retention.values() if r is not None)
+        shortest = min(self._retention.values())
         expired = []
         with self._lock:
             for digest, entry in self._index.items():
@@ -382,23 +388,6 @@ class SsdTier(LocalTier):
         with self._lock:
             self._index.clear()
             self._bytes = 0
-
-
-class SizedPayload(bytes):
-    """A payload that is only its size: empty bytes whose ``len`` is the size it stands
-    for. What the retention lab's scale mode stores (``SizedSsdTier``; ``RamTier``
-    holds it as it is)."""
-
-    def __new__(cls, size: int) -> SizedPayload:
-        payload = super().__new__(cls)
-        payload.size = size
-        return payload
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __repr__(self) -> str:
-        return f"SizedPayload({self.size})"
 
 
 class SizedSsdTier(SsdTier):
