@@ -44,9 +44,10 @@ HUGE_PAGE_ENV = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.huget
 _kept: list = []  # what a policy process holds until it exits (see _policy_process)
 
 
-def in_policy_processes(calls: list[tuple]) -> list[dict]:
+def in_policy_processes(calls: list[tuple], native: Path | None = None) -> list[dict]:
     """``_simulate(*call)`` for each call, each in a process of its own, all at once;
-    their results, in order.
+    their results, in order. ``native``: a build of ``cluster.cachesim.native`` the
+    processes run (None: plain Python).
 
     The processes are spawned with their heap on transparent huge pages: every Python
     object through glibc's malloc (``PYTHONMALLOC=malloc``), which asks for huge pages
@@ -71,7 +72,7 @@ def in_policy_processes(calls: list[tuple]) -> list[dict]:
     try:
         for call in calls:
             receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(target=_policy_process, args=(sender, call), daemon=True)
+            process = context.Process(target=_policy_process, args=(sender, call, native), daemon=True)
             process.start()
             sender.close()
             children.append((process, receiver))
@@ -100,9 +101,13 @@ def in_policy_processes(calls: list[tuple]) -> list[dict]:
     return results
 
 
-def _policy_process(sender, call: tuple) -> None:
+def _policy_process(sender, call: tuple, native: Path | None = None) -> None:
     _exit_with_parent()
     try:
+        if native is not None:
+            from cluster.cachesim.native import activate
+
+            activate(native)
         outcome = (True, _simulate(*call))
     except BaseException as error:  # noqa: BLE001 (any of them, Ctrl-C too: the caller raises it)
         error.add_note(f"in the {call[0]} policy's process:\n{traceback.format_exc()}")
@@ -157,6 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "each virtual hour, per policy) here")
     run.add_argument("--requests-table", action="store_true",
                      help="with --out: also requests-POLICY.parquet, one row per request (no checkpoints then)")
+    run.add_argument("--no-compile", action="store_true", help="scale mode: run the simulator as plain Python, "
+                     "not compiled with mypyc (~1.7x slower; the same counters)")
     run.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
     report = sub.add_parser("report", help="the standard experiments: sweeps, plots, tables and a report")
@@ -258,7 +265,10 @@ def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, check
         print(file=sys.stderr)
     samples = result.samples
     stored = [sum(s.bytes.values()) for s in samples]
-    return {"policy": policy, "sizes": sizes.as_dict(), "rates": result.rates, "totals": asdict(result.totals),
+    from cluster.cachesim.native import active
+
+    return {"policy": policy, "compiled": active(), "sizes": sizes.as_dict(), "rates": result.rates,
+            "totals": asdict(result.totals),
             "store": result.store, "virtual_hours": result.virtual_s / 3600, "wall_s": result.wall_s,
             "mean_stored_bytes": sum(stored) / max(1, len(stored)),
             "peak_stored_bytes": max(stored, default=0),
@@ -292,14 +302,24 @@ def run(args: argparse.Namespace) -> int:
     checkpoints = None if args.no_checkpoint or args.requests_table else str(args.checkpoint_dir)
     tables = {policy: str(args.out / f"requests-{policy}.parquet") if args.requests_table else None
               for policy in policies}
+    native = None
+    if args.mode == "scale" and not args.no_compile:
+        from cluster.cachesim.native import build
+
+        native = build(log=sys.stderr)
+        if not native.ok:
+            print(f"running the simulator as plain Python (~1.7x slower): {native.reason}", file=sys.stderr)
     results = dict(zip(policies, in_policy_processes(
-        [(policy, dict(fields), spec, i == 0, checkpoints, tables[policy]) for i, policy in enumerate(policies)])))
+        [(policy, dict(fields), spec, i == 0, checkpoints, tables[policy]) for i, policy in enumerate(policies)],
+        native.directory if native is not None else None)))
     first = next(iter(results.values()))
     report = {"workload": spec[0] if spec[0] == "trace" else "synthetic",
               "source": spec[1] if spec[0] == "trace" else spec[1]["name"],
               "sessions": spec[1]["sessions"] if spec[0] == "synthetic" else None,
               "requests": first["totals"]["requests"], "virtual_hours": round(first["virtual_hours"], 2),
               "wall_s": round(time.time() - started, 1), "mode": args.mode, "shrink": shrink,
+              "compiled": all(r["compiled"] for r in results.values()),
+              "compile_s": round(native.built_s, 1) if native is not None else 0.0,
               "policies": {policy: {key: value for key, value in r.items() if key != "samples"}
                            for policy, r in results.items()}}
     if {"v41", "v4"} <= set(results):
@@ -323,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_table(report: dict) -> None:
     print(f"v41 cache-sim run: {report['workload']} {report['source']}, {report['requests']:,} requests, "
-          f"{report['virtual_hours']} virtual h, {report['wall_s']} s ({report['mode']} mode)")
+          f"{report['virtual_hours']} virtual h, {report['wall_s']} s ({report['mode']} mode"
+          f"{', compiled' if report['compiled'] else ''})")
     print(f"{'policy':<7} {'hit RAM':>8} {'hit SSD':>8} {'hit':>7} {'req RAM':>8} {'req SSD':>8} {'window':>7} "
           f"{'replay':>7} {'mean stored':>12} {'peak stored':>12}")
     for policy, r in report["policies"].items():
