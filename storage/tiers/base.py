@@ -22,8 +22,9 @@ OnDrop = Callable[[ObjectKey], None]
 
 def payload_size(payload: Sized) -> int:
     """The size ``payload`` stands for: its ``len``, asked of the object. (Typed ``Sized``,
-    not ``bytes``, on purpose: code compiled by mypyc reads the length of a ``bytes`` straight from the
-    object, past the ``__len__`` of a subclass such as the retention lab's ``SizedPayload``.)"""
+    not ``bytes``, on purpose: code compiled by mypyc reads the length of a ``bytes``
+    straight from the object, past the ``__len__`` of a subclass such as the retention
+    lab's ``SizedPayload``.)"""
     return len(payload)
 
 
