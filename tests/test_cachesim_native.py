@@ -103,6 +103,11 @@ def test_without_a_c_compiler_there_is_no_build_and_a_reason(tmp_path, monkeypat
     assert not build.ok and "failed" in build.reason
     assert not any(p.is_dir() and not p.name.startswith(".") for p in tmp_path.iterdir())  # nothing half-built kept
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # the staging copy is gone
+    # A cache that cannot be made (a file where its folder would be): no build, no exception.
+    blocked = tmp_path / "blocked"
+    blocked.write_text("")
+    build = native.build(blocked / "cache")
+    assert not build.ok and "failed" in build.reason
 
 
 def test_a_process_that_already_runs_the_plain_modules_is_not_switched(tmp_path):

@@ -123,9 +123,10 @@ def build(cache: Path | None = None, log=None) -> Build:
         print(f"compiling the simulator's hot code with mypyc into {target} (once per version of the code, "
               "~25 s)...", file=log, flush=True)
     started = time.perf_counter()
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
+    staging = None
     try:
+        cache.mkdir(parents=True, exist_ok=True)  # (a home that cannot be written: no build, as any failure)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
         for path in _sources():
             copy = staging / path.relative_to(ROOT)
             copy.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +156,8 @@ def build(cache: Path | None = None, log=None) -> Build:
     except OSError as error:
         return Build(None, f"the mypyc build failed: {error}")
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def activate(directory: Path) -> None:
