@@ -6,11 +6,11 @@ those modules, the same source and the same semantics, into C extensions; a poli
 process loads them in place of the ``.py`` files, and nothing else changes (the
 counters are identical: ``test_the_compiled_simulator_counts_what_the_plain_one_does``).
 
-The build is derived, never checked in: it is made on first use (half a minute on two
-cores) into ``~/.cache/v41/cache-sim-native/<key>``, where the key hashes the Python and
-mypyc versions and every source file the compiled modules are typed
-against, so an edited source is never shadowed by a stale build. Without mypyc or a C
-compiler, or where the build fails, the run goes on as plain Python and says so.
+The build is derived, never checked in: it is made on first use (~25 s on two cores)
+into ``~/.cache/v41/cache-sim-native/<key>``, where the key hashes the Python and mypyc
+versions and every source file the compiled modules are typed against, so an edited
+source is never shadowed by a stale build. Without mypyc or a C compiler, or where the
+build fails, the run goes on as plain Python and says so.
 
 Only the processes of ``v41 cache-sim run`` load the build (:func:`activate`, before
 any of these modules is imported): the server, the tests and everything else run the

@@ -163,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--requests-table", action="store_true",
                      help="with --out: also requests-POLICY.parquet, one row per request (no checkpoints then)")
     run.add_argument("--no-compile", action="store_true", help="scale mode: run the simulator as plain Python, "
-                     "not compiled with mypyc (~1.7x slower; the same counters)")
+                     "not compiled with mypyc (~1.8x slower; the same counters)")
     run.add_argument("--json", action="store_true", help="print one JSON object on the last line")
 
     report = sub.add_parser("report", help="the standard experiments: sweeps, plots, tables and a report")
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
 
         native = build(log=sys.stderr)
         if not native.ok:
-            print(f"running the simulator as plain Python (~1.7x slower): {native.reason}", file=sys.stderr)
+            print(f"running the simulator as plain Python (~1.8x slower): {native.reason}", file=sys.stderr)
     results = dict(zip(policies, in_policy_processes(
         [(policy, dict(fields), spec, i == 0, checkpoints, tables[policy]) for i, policy in enumerate(policies)],
         native.directory if native is not None else None)))
