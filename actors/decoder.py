@@ -39,6 +39,7 @@ from storage.keys import MediaSpan, ObjectKey
 from .prefill import Moved, PrefillService, StoreLike, read_through
 from .store import STORE_TIMEOUT_S
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
+from .resident import ResidentConversations
 from .state import CachePlan, Handoff, StateNaming
 
 
@@ -63,14 +64,18 @@ class DecoderService:
 
     def __init__(self, engine: Engine, store: StoreLike, naming: StateNaming, tokenizer: Tokenizer | None = None,
                  eos_token_ids: tuple[int, ...] = (), max_batch: int = 32, speculation: Speculation | None = None,
-                 peers: Callable[[str], StoreLike | None] | None = None):
+                 peers: Callable[[str], StoreLike | None] | None = None, resident_bytes: int = 0):
         """``peers(node_id)``: another node's store (None if it has none), for a prefix
-        this node does not hold."""
+        this node does not hold. ``resident_bytes``: memory for finished conversations
+        kept for their next turn (:mod:`actors.resident`; 0: none kept)."""
         self.engine, self.store, self.naming, self.peers = engine, store, naming, peers
         self.batcher = Batcher(engine, tokenizer, eos_token_ids, max_batch, on_finish=self._finished,
                                speculation=speculation)
+        self.resident = ResidentConversations(resident_bytes) if resident_bytes else None
         self._requests: dict[str, _Conversation] = {}
         self._pending: dict[str, list[tuple[ObjectKey, bytes]]] = {}
+        # Finished conversations to keep once stored: (the window state's name, tokens, cache).
+        self._to_keep: dict[str, tuple[ObjectKey, tuple[int, ...], SequenceCache]] = {}
         self.last_admit_s = 0.0
 
     def admit(self, request_id: str, handoff: Handoff, params: SamplingParams,
@@ -132,27 +137,41 @@ class DecoderService:
         # already): a later trip there would wait behind the queued steps and admissions.
         handoff = self._requests.pop(request_id, None)
         if handoff is not None:
-            self._pending[request_id] = self._objects(handoff, cache, generated)
+            tokens = handoff.token_ids + tuple(generated[:-1])  # the last token was never fed
+            self._pending[request_id] = objects = self._objects(handoff, cache, tokens)
+            if self.resident is not None:
+                self._to_keep[request_id] = (objects[-1][0], tokens, cache)
 
     def conversation_objects(self, request_id: str) -> list[tuple[ObjectKey, bytes]]:
         """A finished request's new whole chunks and its window state, as (key, bytes),
         once (empty if it did not finish, or was taken already)."""
         return self._pending.pop(request_id, [])
 
+    def keep_resident(self, request_id: str) -> ObjectKey | None:
+        """Keep a finished request's cache for the conversation's next turn (once it is
+        stored: call after storing its objects); returns the name it is kept under
+        (its window state's), or None if none is kept."""
+        kept = self._to_keep.pop(request_id, None)
+        if kept is None or self.resident is None or not self.resident.keep(*kept):
+            return None
+        return kept[0]
+
     def forget(self, request_id: str) -> None:
         """Drop a finished request's conversation without storing it."""
         self._pending.pop(request_id, None)
+        self._to_keep.pop(request_id, None)
 
     def write_pending(self) -> None:
-        """Store every finished conversation not stored yet (chunks and window state)."""
+        """Store every finished conversation not stored yet (chunks and window state),
+        and keep each one's cache when this service keeps conversations."""
         pending, self._pending = self._pending, {}
-        for objects in pending.values():
+        for request_id, objects in pending.items():
             for key, payload in objects:
                 self.store.put(key, payload)
+            self.keep_resident(request_id)
 
     def _objects(self, handoff: _Conversation, cache: SequenceCache,
-                 generated: list[int]) -> list[tuple[ObjectKey, bytes]]:
-        tokens = list(handoff.token_ids) + generated[:-1]  # the last token was never fed
+                 tokens: tuple[int, ...]) -> list[tuple[ObjectKey, bytes]]:
         if len(tokens) != cache.length:
             raise RuntimeError(f"cache holds {cache.length} tokens, the conversation {len(tokens)}")
         size = self.naming.chunk_tokens
@@ -179,10 +198,12 @@ class DecoderPool:
         store = bundle.store(config)
         self.service = DecoderService(bundle.engine, store, bundle.naming, bundle.tokenizer,
                                       bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config),
-                                      peers=peer_store)
+                                      peers=peer_store, resident_bytes=config.resident_mb << 20)
         # Short new prompts are encoded here (see Router._events): the same logic as a
         # prefill replica, on this replica's engine and store.
         self.node_id = node_id()
+        # This replica's name for the request router: a conversation it keeps is sent back here.
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.prefiller = PrefillService(bundle.engine, store, bundle.naming, self.node_id, peer_store)
         self.executor = one_thread_executor()
         self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
@@ -236,15 +257,23 @@ class DecoderPool:
             yield event
 
     async def prefill_and_generate(self, plan, params, request_id: str, engram=None,
-                                   preferred_nodes: list[str] | None = None):
+                                   preferred_nodes: list[str] | None = None, resident: ObjectKey | None = None,
+                                   preferred_replica: str | None = None):
         """:meth:`generate` for a prompt this replica encodes itself: no handoff to
-        serialise, and the prefill and the first token in one trip to the engine thread."""
+        serialise, and the prefill and the first token in one trip to the engine thread.
+        ``resident``: the name of a conversation the router believes this replica keeps
+        (the prompt continues it): started from that cache if it is here, else from the
+        store. ``preferred_replica`` is read by the request router (session affinity)."""
         arrived = time.time()
         rows = engram_rows(engram, self.prefill_metrics)
 
         def encode_and_admit():
-            handoff = prefilled(self.prefiller.prefill(plan, rows, in_process=True), arrived, "decoder",
-                                 self.prefill_metrics)
+            start = None
+            if resident is not None and self.service.resident is not None:
+                start = self.service.resident.take(resident, plan.token_ids)
+                self.metrics.resident(start is not None)
+            handoff = prefilled(self.prefiller.prefill(plan, rows, in_process=True, resident=start), arrived,
+                                "resident" if start is not None else "decoder", self.prefill_metrics)
             handoff.timeline["decode_in"] = handoff.timeline["prefill_out"]
             return handoff, self.service.admit(request_id, handoff, params)
 
@@ -336,7 +365,13 @@ class DecoderPool:
         if not objects:
             return {}
         await self.service.store.put_now(objects)
-        return {"stored_at": time.time()}
+        stored = {"stored_at": time.time()}
+        kept = self.service.keep_resident(request_id)
+        if self.service.resident is not None:
+            self.metrics.resident_bytes.set(self.service.resident.stats().bytes)
+        if kept is not None:  # the router sends the next turn back here
+            stored.update(resident=kept, replica=self.replica_id, node=self.node_id)
+        return stored
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -25,6 +25,7 @@ from ray import serve
 
 from cluster.config import AppConfig
 from model.config import VisionConfig
+from model.runtime.cache import SequenceCache
 from model.runtime.engine import DecoderInput, Engine, ImageSpan
 from model.runtime.serialize import StateError, load_chunks, load_window, window_to_bytes
 from model.vision import VisionTower, preprocess_image
@@ -110,11 +111,13 @@ class PrefillService:
         self.images = images
 
     def prefill(self, plan: CachePlan, engram_rows: Callable[[], dict[int, torch.Tensor]] | None = None,
-                in_process: bool = False) -> Handoff:
+                in_process: bool = False, resident: SequenceCache | None = None) -> Handoff:
         """Encode a request. ``engram_rows`` (optional) returns the Engram rows of the
         whole prompt [S, cols, hd] per layer, fetched remotely while this runs.
         ``in_process``: the handoff carries the cache itself, not its bytes (for a
-        decoder in this process)."""
+        decoder in this process). ``resident``: the cache of the prompt's first
+        ``resident.length`` tokens, kept by this process (:mod:`actors.resident`):
+        nothing is read from the store, only the rest is encoded (in process only)."""
         tokens = list(plan.token_ids)
         if not tokens:
             raise ValueError("empty prompt")
@@ -125,7 +128,15 @@ class PrefillService:
         keys = (tuple(plan.chunk_keys) if plan.chunk_keys is not None
                 else tuple(self.naming.chunks(tokens, media=plan.media)))
         moved = Moved()
-        cache, chunks_read, resumed = self._load_stored(tokens, plan, keys, moved)
+        if resident is not None:
+            if not in_process or resident.length >= len(tokens):
+                raise ValueError("a resident cache continues in process, with at least one token to encode")
+            # Its whole chunks were stored with it; those the index does not know are
+            # stored again with the answer.
+            chunks_read = min(plan.cached_chunks, resident.length // self.naming.chunk_tokens)
+            cache, resumed = resident, True
+        else:
+            cache, chunks_read, resumed = self._load_stored(tokens, plan, keys, moved)
         replay: DecoderInput | None = None
         if not resumed and cache.length:
             replay = self.engine.restore(cache, tokens[: cache.length], images=spans)

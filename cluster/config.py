@@ -108,6 +108,14 @@ class AppConfig(BaseModel):
     # A prompt with nothing stored and at most this many tokens is encoded by the
     # decoder replica itself instead of the prefill pool (0: always the pool).
     local_prefill_tokens: NonNegativeInt = 128
+    # Memory each decoder replica gives to the finished conversations it keeps for their
+    # next turn (actors/resident.py; 0: none kept, every returning turn reads the store).
+    resident_mb: NonNegativeInt = 1024
+    # A returning turn whose conversation a decoder replica keeps goes to that replica,
+    # which encodes it from that cache, when it adds at most this many tokens; a longer
+    # addition goes through the prefill pool (encoded there, it does not hold up the
+    # decoder's batch). 0: never.
+    resume_tokens: NonNegativeInt = 1024
 
     @field_validator("model")
     @classmethod

@@ -75,7 +75,16 @@ class DecoderMetrics:
         self.per_pass = metrics.Gauge("v41_spec_tokens_per_pass", "tokens per backbone pass over the whole batch")
         self.verify_length = metrics.Counter("v41_spec_verify_length_total",
                                              "requests scheduled to verify this many guesses", tag_keys=("length",))
+        self.resumed = metrics.Counter("v41_decoder_resumed_total", "returning turns sent to the replica that kept "
+                                       "their conversation, by where it was found (resident: in its memory; store: "
+                                       "evicted or taken, read from the store)", tag_keys=("found",))
+        self.resident_bytes = metrics.Gauge("v41_decoder_resident_bytes", "memory of the finished conversations the "
+                                            "replica keeps for their next turn")
         self._lengths: dict[int, int] = {}
+
+    def resident(self, found: bool) -> None:
+        """A returning turn named a conversation this replica kept: ``found`` in memory."""
+        self.resumed.inc(tags={"found": "resident" if found else "store"})
 
     def step(self, batch: int, events: int, running: int, spec=None) -> None:
         """After a step of ``batch`` requests that emitted ``events`` tokens; ``spec`` is

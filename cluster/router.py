@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -34,6 +35,7 @@ from cluster.config import AppConfig
 from cluster.images import ImageLimits, read_image
 from cluster.routing import NodeLoad
 from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, tool_call_grammar
+from storage.keys import ObjectKey
 
 # A request's trip, mark to mark: (Server-Timing name, from, to).
 _STAGES = (
@@ -148,16 +150,26 @@ class ClientGone(Exception):
     """The client closed the connection while its request waited."""
 
 
-def _chained(first, stream, done):
-    """``first``, then the rest of ``stream``; ``done()`` once it ends or is dropped."""
+def _chained(first, stream, kept):
+    """``first``, then the rest of ``stream``; ``kept(event)`` for the event that says
+    a decoder replica keeps the conversation."""
     async def events():
-        try:
-            yield first
-            async for event in stream:
-                yield event
-        finally:
-            done()
+        if "resident" in first:
+            kept(first)
+        yield first
+        async for event in stream:
+            if "resident" in event:
+                kept(event)
+            yield event
     return events()
+
+
+@dataclass(frozen=True)
+class KeptAt:
+    """Where a conversation is kept: a decoder replica (Serve's id for it) and its node."""
+
+    replica: str
+    node: str
 
 
 def _answer_key(reasoning: str | None, content: str, calls) -> tuple:
@@ -210,10 +222,13 @@ class Router:
         self.finished: deque[float] = deque(maxlen=4096)  # when requests ended (time.monotonic), for Retry-After
         self.waiting = 0  # dispatched requests without their first token yet
         self._health: tuple[float, list[str]] | None = None
-        self.load = NodeLoad() if config.routing == "affinity" else None  # requests in flight per node
+        self.load = NodeLoad() if config.routing == "affinity" else None  # admissions pending per node
         # Recent answers' exact token ids by their text, so that the next turn of a
         # conversation re-renders them verbatim and its prefix stays cached.
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
+        # The conversations decoder replicas keep for their next turn (actors/resident.py),
+        # by name, and which replica keeps each: the last 65,536 answers'.
+        self.resident: OrderedDict[ObjectKey, KeptAt] = OrderedDict()
         self.think_end = self.tokenizer.special.think_end
         self.dsml = self.tokenizer.special.dsml  # a special token: its text is put back for the parser
         self.grammars: GrammarCompiler | None = None  # built at the first constrained request
@@ -240,9 +255,10 @@ class Router:
 
     def _plan(self, tokens: list[int], images: tuple = ()):
         """Which leading chunks of the prompt are stored, where, and which window state
-        after them the index knows of (one Redis round trip, two after a gap).
-        ``images``: the prompt's :class:`actors.state.PromptImage` (their digests name
-        the chunks that hold them)."""
+        after them the index knows of (one Redis round trip, two after a gap); and
+        every window state the prompt could resume from after those chunks, known or
+        not, as ``(length, key)`` (none without an index). ``images``: the prompt's
+        :class:`actors.state.PromptImage` (their digests name the chunks that hold them)."""
         from actors.state import CachePlan, media_of
         from storage.policy import TierName
 
@@ -250,14 +266,14 @@ class Router:
         keys = self.naming.chunks(tokens, media=media)
         named = tuple(keys)
         if self.index is None:  # one node: its store knows
-            return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images)
+            return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images), []
         size = self.naming.chunk_tokens
         usable = max(0, min(len(keys), (len(tokens) - 1) // size))  # the prefill encodes the last token
         windows = self.naming.window_candidates(tokens[:-1], usable * size, named, media)
         now = time.time()
         located = self.index.locate(keys + [key for _, key in windows], now)
         if located is None:  # Redis away: as on one node, the prefill's own store decides
-            return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images)
+            return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images), windows
         found_windows = located[len(keys):]
         depth = 0
         while depth < len(keys) and located[depth]:
@@ -266,7 +282,7 @@ class Router:
             windows = self.naming.window_candidates(tokens[:-1], depth * size, named, media)
             found_windows = self.index.locate([key for _, key in windows], now)
             if found_windows is None:
-                return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images)
+                return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images), windows
         known = tuple((window, locations) for window, locations in zip(windows, found_windows) if locations)
         best = [known[0][1]] if known else []
         if depth:
@@ -274,7 +290,28 @@ class Router:
         order = sorted((loc for locations in best for loc in locations),
                        key=lambda loc: (loc.tier is not TierName.RAM, loc.tier is not TierName.SSD))
         nodes = tuple(dict.fromkeys(loc.node_id for loc in order if loc.node_id != "*"))
-        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named, images)
+        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named, images), windows
+
+    def _resumable(self, request: api.GenerationRequest, tokens: list[int],
+                   windows: list[tuple[int, ObjectKey]], images: tuple) -> tuple[ObjectKey, KeptAt] | None:
+        """The conversation a decoder replica keeps that the prompt continues, as (its
+        name, where), if it adds at most ``resume_tokens`` to it: one answer (each of
+        ``n`` would need its own copy), no images (the vision tower is the prefill
+        pool's). Forgotten here once sent: the request takes it."""
+        if request.n != 1 or images or not self.config.resume_tokens:
+            return None
+        for length, key in windows:  # longest first
+            kept = self.resident.pop(key, None)
+            if kept is not None:
+                return (key, kept) if len(tokens) - length <= self.config.resume_tokens else None
+        return None
+
+    def _kept(self, event: dict) -> None:
+        """A decoder replica keeps the conversation an answer ended (its last event)."""
+        self.resident[event["resident"]] = KeptAt(event["replica"], event["node"])
+        self.resident.move_to_end(event["resident"])
+        while len(self.resident) > 65536:
+            self.resident.popitem(last=False)
 
     def _read_image(self, url: str):
         """(the positions its span takes, the decoded image) of an ``image_url``."""
@@ -350,7 +387,7 @@ class Router:
                                f"context is {self.config.max_model_len}", "messages", code="context_length_exceeded")
         images = self._prompt_images(request, tokens)
         marks["rendered"] = time.time()
-        plan = self._plan(tokens, images)
+        plan, windows = self._plan(tokens, images)
         marks["planned"] = time.time()
         if plan.windows is not None:  # the index decided what is stored (else the prefill's store does)
             marks["looked_up"] = marks["planned"]
@@ -361,12 +398,27 @@ class Router:
             ids = torch.tensor([tokens])
             text = None if self.image_token_id is None else ids != self.image_token_id  # no n-gram across an image
             lookup = self.engram.start(self.hasher.hash_ids(ids, token_mask=text)[0][0])
+        # A conversation a decoder replica keeps in memory, that this prompt continues.
+        resume = self._resumable(request, tokens, windows, images)
+        cache_nodes = list(plan.nodes)
+        if resume is not None:
+            cache_nodes = [resume[1].node] + [node for node in cache_nodes if node != resume[1].node]
         # Where the cache is, best first (both pools' replicas there are preferred), or the
         # least loaded node when the cache's is busier than the slack allows.
-        nodes = self.load.prefer(list(plan.nodes)) if self.load is not None else list(plan.nodes)
+        nodes = self.load.prefer(cache_nodes) if self.load is not None else cache_nodes
         marks["node"] = nodes[0] if nodes and self.load is not None else None
         if self.load is not None:
             self.load.started(marks["node"])
+        if resume is not None:
+            # To the replica that keeps it (unless its node is too busy: then the cache
+            # moves, read from the store where the request lands), which encodes only
+            # what the conversation added, from its cache.
+            key, kept = resume
+            replica = kept.replica if nodes and nodes[0] == kept.node else None
+            decoder = self.decoder_direct if lookup is None else self.decoder
+            return [(decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup,
+                                                         preferred_nodes=nodes, resident=key,
+                                                         preferred_replica=replica), None)]
         samples = request.samples()
         if request.n == 1 and plan.cached_chunks == 0 and plan.windows == () and not images and \
                 len(tokens) <= self.config.local_prefill_tokens:
@@ -501,27 +553,33 @@ class Router:
             marks["router_sent"] = time.time()
             started = await self._started(dispatched, request)
         except api.ApiError as error:
-            self._ended(marks)
+            self._answered(marks)
             self.metrics.record(endpoint, str(error.status))
             return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
         except ClientGone:
-            self._ended(marks)
+            self._answered(marks)
             self.metrics.record(endpoint, "499")
             return JSONResponse(api.ApiError(499, "client closed the request").body(), status_code=499)
         except Exception as error:  # a replica died or failed before the first token
-            self._ended(marks)
+            self._answered(marks)
             logger.exception("request failed before its first token")
             self.metrics.record(endpoint, "503")
             return JSONResponse(_generation_failed(error).body(), status_code=503)
         first = started[0][0]
+        self._answered(marks)  # (its first token: no longer waiting for an admission)
         if self.load is not None and first.get("node"):
             self.load.seen(first["node"])
         queued_ms = self._admitted(first, marks)
-        streams = [_chained(head, stream, lambda: self._ended(marks)) for head, stream in started]
+        streams = [_chained(head, stream, self._kept) for head, stream in started]
         if parsed.stream:
+            # Its Server-Timing covers the trip to the first token (the headers go out with it).
+            to_first = {**marks, **first.get("timeline", {}), "first_token": time.time()}
             return StreamingResponse(self._sse(streams, parsed, rid, chat, start), media_type="text/event-stream",
                                      headers={"x-v41-queue-ms": f"{queued_ms:.3f}",
-                                              "x-v41-moved-bytes": str(first.get("moved_bytes", 0))})
+                                              "x-v41-moved-bytes": str(first.get("moved_bytes", 0)),
+                                              "x-v41-prefilled-by": first.get("prefilled_by", ""),
+                                              "server-timing": server_timing(to_first, first.get("replica_s", 0.0),
+                                                                             first.get("prefilled_by", ""))})
         try:
             results = await asyncio.gather(*(self._collect(events, parsed, start) for events in streams))
         except Exception as error:  # the decoder died or failed: a clear error, nothing cached
@@ -551,6 +609,7 @@ class Router:
                                      "x-v41-prefills": str(prefills),
                                      "x-v41-queue-ms": f"{queued_ms:.3f}",
                                      "x-v41-moved-bytes": str(first.get("moved_bytes", 0)),
+                                     "x-v41-prefilled-by": result["prefilled_by"],
                                      **_store_times(marks),
                                      "server-timing": server_timing(marks, result["replica_s"], result["prefilled_by"])})
 
@@ -605,10 +664,10 @@ class Router:
             self.waiting -= 1
             self.metrics.waiting.set(self.waiting)
 
-    def _ended(self, marks: dict) -> None:
-        """A request dispatched to ``marks["node"]`` is over (once)."""
+    def _answered(self, marks: dict) -> None:
+        """A request dispatched to ``marks["node"]`` has its first token, or failed (once)."""
         if self.load is not None:
-            self.load.ended(marks.pop("node", None))
+            self.load.answered(marks.pop("node", None))
 
     def _admitted(self, first: dict, marks: dict[str, float]) -> float:
         """Milliseconds the request waited for a place in a batch, once ready for one

@@ -2,11 +2,15 @@
 
 The router knows, from the Redis index, which nodes hold a prompt's stored prefix
 (RAM beats SSD); it passes them, best first, as ``preferred_nodes`` in the request's
-keyword arguments, to the prefill pool and to the decoder pool. :class:`PrefixAffinityRouter`
-ranks replicas on those nodes first, in that order, then the rest by queue length,
-unless the preferred replicas have more than ``MOVE_SLACK`` requests in line beyond
-the least loaded one: then the request goes to the load and its cache moves (a read
-from the node that holds it). Serve tries the ranks in order and skips a replica at
+keyword arguments, to the prefill pool and to the decoder pool; and, for a returning
+turn whose conversation a decoder replica keeps in memory (actors/resident.py), that
+replica as ``preferred_replica``. The router picks the node first (:class:`NodeLoad`:
+the cache's, unless it has a longer backlog of admissions than another). Then
+:class:`PrefixAffinityRouter` ranks the preferred replica first, as chosen; else the
+replicas on the preferred nodes, in that order, then the rest by queue length, unless
+the preferred replicas have more than ``MOVE_SLACK`` requests in line beyond the
+least loaded one: then the request goes to the load and its cache moves (a read from
+the node that holds it). Serve tries the ranks in order and skips a replica at
 its ``max_ongoing_requests``. ``routing`` in the app's config picks the policy for both pools:
 ``affinity`` (this), ``pow2`` (Serve's default, power of two choices) or
 ``round_robin`` (:class:`RoundRobinRouter`), for `v41 bench agents` to compare.
@@ -25,15 +29,21 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 MOVE_SLACK = 1
 
 
-def rank_replicas(replicas: list, preferred_nodes: list[str], queue_len, slack: int = MOVE_SLACK) -> list[list]:
+def rank_replicas(replicas: list, preferred_nodes: list[str], queue_len, slack: int = MOVE_SLACK,
+                  preferred_replica: str | None = None) -> list[list]:
     """Ranks: one per preferred node that has replicas (in order), then the others
     sorted by queue length; but if the first preferred rank's least loaded replica has
     more than ``slack`` requests in line beyond the least loaded replica of all, every
     replica in one rank by queue length (the request moves to the load).
+    ``preferred_replica`` (Serve's unique id: the replica that keeps the conversation,
+    which the router chose knowing its backlog) goes first, with no load check.
     ``queue_len(replica)`` may return None (unknown: counted as empty)."""
     def load(replica) -> int:
         return queue_len(replica) or 0
 
+    mine = [r for r in replicas if preferred_replica is not None and r.replica_id.unique_id == preferred_replica]
+    if mine:
+        return [mine, sorted((r for r in replicas if r is not mine[0]), key=load)]
     ranks, used = [], set()
     for node in preferred_nodes:
         on_node = [r for r in replicas if r.node_id == node and id(r) not in used]
@@ -48,38 +58,52 @@ def rank_replicas(replicas: list, preferred_nodes: list[str], queue_len, slack: 
     return ranks
 
 
-class NodeLoad:
-    """The router's own count of the requests it has in flight on each node: a load
-    signal that is exact and current for one router (Serve's queue lengths lag), and
-    with it the node a request should go to: where its cache is, unless that node has
-    more than ``slack`` requests in flight beyond the least loaded node it knows."""
+# How many more requests waiting for their first token a node may have than the least
+# loaded node before the router sends a request there instead of to its cache. Waiting
+# costs each admission ahead of it on the decoder's engine thread: encoding the turn's
+# new tokens and replaying them (0.55-0.6 s of engine time p50 for `v41 bench agents`'
+# turns, 50-500 tokens added at 2-16K deep); moving costs reading the cache from the
+# store (~50 ms there). So any longer backlog than the least loaded node's sends the
+# request to the load.
+ADMISSION_SLACK = 0
 
-    def __init__(self, slack: int = MOVE_SLACK) -> None:
+
+class NodeLoad:
+    """The router's own count, per node, of its requests dispatched there that have no
+    first token yet (exact and current for one router; Serve's queue lengths lag and
+    count every running request): the backlog of admissions a request would wait
+    behind. With it, the node a request should go to: where its cache is, unless that
+    node has more than ``slack`` such requests beyond the least loaded node it knows
+    (then the request goes there, and reads its cache from the store)."""
+
+    def __init__(self, slack: int = ADMISSION_SLACK) -> None:
         self.slack = slack
-        self.inflight: dict[str, int] = {}  # node -> requests in flight (nodes seen serving)
+        self.pending: dict[str, int] = {}  # node -> requests without a first token (nodes seen serving)
 
     def seen(self, node: str) -> None:
         """``node`` has a decoder replica (learnt from the answers)."""
-        self.inflight.setdefault(node, 0)
+        self.pending.setdefault(node, 0)
 
     def prefer(self, cache_nodes: list[str]) -> list[str]:
         """The nodes to prefer, best first: the cache's, or the least loaded one ahead
         of it (the cache then moves there)."""
-        if not self.inflight:
+        if not self.pending:
             return list(cache_nodes)
-        least = min(self.inflight, key=lambda node: (self.inflight[node], node))
-        if cache_nodes and cache_nodes[0] in self.inflight and \
-                self.inflight[cache_nodes[0]] - self.inflight[least] <= self.slack:
+        least = min(self.pending, key=lambda node: (self.pending[node], node))
+        if cache_nodes and cache_nodes[0] in self.pending and \
+                self.pending[cache_nodes[0]] - self.pending[least] <= self.slack:
             return list(cache_nodes)
         return [least] + [node for node in cache_nodes if node != least]
 
     def started(self, node: str | None) -> None:
+        """A request was sent to ``node``."""
         if node is not None:
-            self.inflight[node] = self.inflight.get(node, 0) + 1
+            self.pending[node] = self.pending.get(node, 0) + 1
 
-    def ended(self, node: str | None) -> None:
-        if node is not None and self.inflight.get(node, 0) > 0:
-            self.inflight[node] -= 1
+    def answered(self, node: str | None) -> None:
+        """A request sent to ``node`` has its first token, or ended without one (once)."""
+        if node is not None and self.pending.get(node, 0) > 0:
+            self.pending[node] -= 1
 
 
 def _back_off_when_full(pending_request: PendingRequest | None) -> None:
@@ -99,13 +123,14 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         _back_off_when_full(pending_request)
-        preferred = []
+        preferred, replica = [], None
         if pending_request is not None:
             preferred = list(pending_request.kwargs.get("preferred_nodes") or [])
+            replica = pending_request.kwargs.get("preferred_replica")
         # Serve's own count of each replica's ongoing requests (probed, and kept current
         # as it sends requests).
         return rank_replicas(candidate_replicas, preferred,
-                             lambda r: self.replica_queue_len_cache.get(r.replica_id))
+                             lambda r: self.replica_queue_len_cache.get(r.replica_id), preferred_replica=replica)
 
 
 class RoundRobinRouter(FIFOMixin, RequestRouter):

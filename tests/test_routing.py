@@ -41,23 +41,30 @@ def test_a_busy_cache_node_gives_way_to_the_least_loaded_replica():
     assert ranks(["B"], {"b1": 3, "a1": 0, "a2": 0, "c1": 0}, slack=3)[0] == ["b1"]
 
 
-def test_the_routers_own_count_sends_a_request_to_its_cache_or_to_the_load():
+def test_the_routers_own_count_sends_a_request_to_its_cache_or_to_the_least_backlog():
     from cluster.routing import NodeLoad
 
-    load = NodeLoad(slack=1)
+    load = NodeLoad(slack=0)
     assert load.prefer(["B"]) == ["B"]  # no node seen serving yet: the cache's order as is
     for node in ("A", "B"):
         load.seen(node)
+    assert load.prefer(["B", "A"]) == ["B", "A"]  # a tie: the cache wins
     load.started("B")
-    assert load.prefer(["B", "A"]) == ["B", "A"]  # one more in flight than A: within the slack
-    load.started("B")
-    assert load.prefer(["B", "A"]) == ["A", "B"]  # two more: the request goes to A, its cache moves
+    # One more request waiting for its first token on B: it goes to A, its cache moves.
+    assert load.prefer(["B", "A"]) == ["A", "B"]
     assert load.prefer([]) == ["A"]  # nothing cached: the least loaded node
-    load.ended("B")
-    load.ended("B")
-    load.ended("B")  # more ends than starts never go below zero
-    assert load.inflight == {"A": 0, "B": 0}
+    load.started("A")
     assert load.prefer(["B"]) == ["B"]
+    load.answered("B")
+    load.answered("B")  # more answers than requests never go below zero
+    assert load.pending == {"A": 1, "B": 0}
+    assert load.prefer(["A"]) == ["B", "A"]
+    patient = NodeLoad(slack=1)  # waits behind one more admission for its cache
+    patient.seen("A")
+    patient.started("B")
+    assert patient.prefer(["B"]) == ["B"]
+    patient.started("B")
+    assert patient.prefer(["B"]) == ["A", "B"]
 
 
 def test_the_routers_let_serve_back_off_when_every_replica_is_full():
@@ -88,3 +95,22 @@ def test_the_routers_let_serve_back_off_when_every_replica_is_full():
         chosen, backs_off = asyncio.run(ranks(router_class))
         assert sorted(r.name for rank in chosen for r in rank) == ["r0", "r1"]
         assert backs_off, router_class.__name__
+
+
+def test_the_replica_that_keeps_the_conversation_comes_first():
+    from types import SimpleNamespace
+
+    def replica(name, node):
+        return SimpleNamespace(name=name, node_id=node, replica_id=SimpleNamespace(unique_id=name))
+
+    a1, a2, b1 = replica("a1", "A"), replica("a2", "A"), replica("b1", "B")
+
+    def order(loads, kept="a2", nodes=("A",)):
+        ranked = rank_replicas([a1, a2, b1], list(nodes), lambda r: loads.get(r.name), preferred_replica=kept)
+        return [[r.name for r in rank] for rank in ranked]
+
+    # The router chose it knowing every node's backlog (NodeLoad): Serve's lagging
+    # queue lengths only order the others, should it be gone or full.
+    assert order({"a1": 0, "a2": MOVE_SLACK + 3, "b1": 1}) == [["a2"], ["a1", "b1"]]
+    # A replica that is gone: the node order as before.
+    assert order({"a1": 1, "a2": 0, "b1": 0}, kept="zz") == [["a1", "a2"], ["b1"]]

@@ -326,16 +326,20 @@ def test_second_turn_is_cached_and_equals_a_cold_exact_run(client):
 
 def test_an_agent_loop_of_immediate_turns_always_hits(client):
     """Five turns, each sent the moment the last streamed answer ended (a tool result
-    appended): every turn reads the whole conversation so far from the store."""
+    appended): every turn reads the whole conversation so far, from the cache the
+    decoder replica kept after the last answer (actors/resident.py)."""
     messages = [{"role": "system", "content": "You call tools.\n" * 10},
                 {"role": "user", "content": "list the files\n" * 8}]
     history = 0
     for turn in range(5):
-        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True}))
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        chunks = list(raw.parse())
         usage = chunks[-1].usage
         if turn:
             assert usage.prompt_tokens_details.cached_tokens == history, turn
+            assert raw.headers["x-v41-prefilled-by"] == "resident", turn
         history = usage.prompt_tokens + usage.completion_tokens - 1  # the last token was never fed
         answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"tool output {turn}\n"}]

@@ -49,19 +49,25 @@ def test_pools_and_engram_shard_on_different_raylets(cluster, tmp_path):
         holder = ray.get_actor("v41-engram", namespace="v41")
         shard_nodes = {p.node_id for p in ray.get(holder.placement.remote())}
         assert decoder_node == worker and prefill_node == head and shard_nodes == {worker}
-        # The second turn's prefix lives on the decoder's node (it wrote it); the router
-        # finds it in the Redis index; the prefill reads it from that node's store (node to
-        # node) and the decoder from its own.
         # Sent with no pause: the decoder stored and indexed the conversation before its
-        # last token went out.
-        again = client.chat.completions.create(
+        # last token went out, and kept its cache (actors/resident.py): the router sends
+        # the turn back to it, which encodes only the new message.
+        turn_one = messages + [{"role": "assistant", "content": first.choices[0].message.content}]
+        history = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the last token was never fed
+        again = client.chat.completions.with_raw_response.create(
             model="deepseek-v4.1-small", max_tokens=4, temperature=0,
-            messages=messages + [{"role": "assistant", "content": first.choices[0].message.content},
-                                 {"role": "user", "content": "again"}])
-        assert again.usage.completion_tokens == 4
-        # All of turn one came from the store: its chunks and the window state after them
-        # (but the answer's last token, never fed), which the prefill read from the
-        # decoder's node and the decoder from its own store.
-        history = first.usage.prompt_tokens + first.usage.completion_tokens - 1
-        assert again.usage.prompt_tokens_details.cached_tokens == history
+            messages=turn_one + [{"role": "user", "content": "again"}])
+        assert again.headers["x-v41-prefilled-by"] == "resident"
+        assert again.parse().usage.completion_tokens == 4
+        assert again.parse().usage.prompt_tokens_details.cached_tokens == history
+        # A branch from turn one (its kept cache went on with the turn above): the router
+        # finds turn one in the Redis index, on the decoder's node; the prefill, on the
+        # other raylet, reads it from that node's store (node to node), and the decoder
+        # from its own.
+        branch = client.chat.completions.with_raw_response.create(
+            model="deepseek-v4.1-small", max_tokens=4, temperature=0,
+            messages=turn_one + [{"role": "user", "content": "or else"}])
+        assert branch.headers["x-v41-prefilled-by"] == "pool"
+        assert int(branch.headers["x-v41-moved-bytes"]) > 0
+        assert branch.parse().usage.prompt_tokens_details.cached_tokens == history
         ray.kill(holder)

@@ -15,9 +15,12 @@ seeded workload runs for ``--seconds``:
 
 Per turn it records the prompt's depth, TTFT, the cached tokens against what the
 previous turn left computed (prompt + answer - 1), the bytes read from other nodes'
-stores (``x-v41-moved-bytes``); per policy, the stores' hits by tier. Reported:
-TTFT p50/p99 and the cached fraction by depth (1K, 2K, 4K, 8K, 16K), re-prefilled
-tokens, the cached fraction of the turns sent with no pause, decode tokens/s, bytes
+stores (``x-v41-moved-bytes``), where the conversation was found
+(``x-v41-prefilled-by``: "resident" when the decoder replica that answered the last
+turn still kept it, actors/resident.py); per policy, the stores' hits by tier.
+Reported: TTFT p50/p99 and the cached fraction by depth (1K, 2K, 4K, 8K, 16K),
+re-prefilled tokens, the cached fraction of the turns sent with no pause, the
+fraction of returning turns resumed from a kept conversation, decode tokens/s, bytes
 moved between nodes, and the affinity / power-of-two TTFT p50.
 """
 
@@ -30,12 +33,14 @@ import random
 import shutil
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from cluster.bench.sse import sse_chunks
+from cluster.router import parse_server_timing
 
 _WORDS = ["def", "return", "self", "value", "result", "queue", "event", "handle", "path", "open", "read", "write", "list", "dict", "item", "index", "count", "error", "raise", "try", "except", "import", "from", "class", "with", "as", "for", "in", "if", "else", "while", "yield", "async", "await", "lambda", "None", "True", "False", "print", "len", "range", "str", "int", "float", "bytes", "json", "load", "dump", "config", "node", "store", "cache", "chunk", "window"]
 _TOOLS = [
@@ -70,6 +75,10 @@ class Turn:
     immediate: bool  # sent with no pause after the previous answer
     moved_bytes: int
     completion: int
+    prefilled_by: str  # "resident" (from the decoder's kept cache), "decoder" or "pool"
+    queue_ms: float  # waited for a place in a decoder batch (x-v41-queue-ms)
+    answer_ms: float  # sent to last token
+    stages: dict  # the trip to the first token, stage by stage (ms; the router's Server-Timing)
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -105,6 +114,9 @@ async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | No
             await response.read()
             return None
         moved = int(response.headers.get("x-v41-moved-bytes", 0))
+        source = response.headers.get("x-v41-prefilled-by", "")
+        queued = float(response.headers.get("x-v41-queue-ms", 0.0))
+        stages, _ = parse_server_timing(response.headers.get("server-timing", ""))
         async for chunk in sse_chunks(response):
             if chunk.get("usage"):
                 usage = chunk["usage"]
@@ -113,7 +125,7 @@ async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | No
                 answer.append(chunk["choices"][0]["delta"]["content"])
     turn = Turn(usage["prompt_tokens"], 1e3 * ((first or time.perf_counter()) - sent),
                 usage["prompt_tokens_details"]["cached_tokens"], agent.reusable, agent.immediate, moved,
-                usage["completion_tokens"])
+                usage["completion_tokens"], source, queued, 1e3 * (time.perf_counter() - sent), stages)
     agent.reusable = turn.depth + turn.completion - 1
     agent.messages += [{"role": "assistant", "content": "".join(answer)},
                        {"role": "user", "content": f"tool result:\n{_text(agent.rng, agent.rng.randint(50, 500))}"}]
@@ -188,7 +200,15 @@ def _summary(turns: list, elapsed: float, hits: dict[str, int]) -> dict:
         "returning_turn_cached_fraction": round(sum(min(t.cached, t.reusable) for t in returning)
                                                 / max(1, sum(t.reusable for t in returning)), 4),
         "reprefilled_tokens": sum(max(0, t.reusable - t.cached) for t in returning),
+        # Where returning turns found their conversation: the decoder replica that kept
+        # it ("resident"), else the stores (encoded by the pool, or by a decoder).
+        "returning_turns_prefilled_by": dict(sorted(Counter(t.prefilled_by for t in returning).items())),
+        "resident_fraction": round(sum(t.prefilled_by == "resident" for t in returning) / max(1, len(returning)), 4),
         "ttft_p50_ms": round(float(np.percentile([t.ttft_ms for t in returning], 50)), 1) if returning else None,
+        "queue_p50_ms": round(float(np.percentile([t.queue_ms for t in returning], 50)), 1) if returning else None,
+        "answer_p50_ms": round(float(np.percentile([t.answer_ms for t in returning], 50)), 1) if returning else None,
+        "stages_p50_ms": {name: round(float(np.percentile([t.stages.get(name, 0.0) for t in returning], 50)), 1)
+                          for name in dict.fromkeys(name for t in returning for name in t.stages)},
         "by_depth": by_depth,
         "moved_mb": round(sum(t.moved_bytes for t in done) / 1e6, 2),
         "decode_tokens_per_s": round(sum(t.completion for t in done) / elapsed, 1),
@@ -246,12 +266,17 @@ def _print(model: Path, args, results: dict) -> None:
     print(f"v41 bench agents: {model}, {args.sessions} sessions, {args.raylets} raylets x (1 prefill + 1 decoder), "
           f"{args.seconds:.0f} s per policy")
     print(f"{'policy':<12} {'turns':>6} {'failed':>6} {'immediate cached':>16} {'returning cached':>16} "
-          f"{'re-prefilled':>12} {'TTFT p50 ms':>11} {'moved MB':>8} {'decode tok/s':>12}  store hits by tier")
+          f"{'re-prefilled':>12} {'resident':>8} {'TTFT p50 ms':>11} {'queue p50':>9} {'answer p50':>10} "
+          f"{'moved MB':>8} {'decode tok/s':>12}  store hits by tier")
     for policy, row in results.items():
         print(f"{policy:<12} {row['turns']:>6} {row['failed']:>6} {row['immediate_turn_cached_fraction']:>16.4f} "
               f"{row['returning_turn_cached_fraction']:>16.4f} {row['reprefilled_tokens']:>12} "
-              f"{row['ttft_p50_ms'] or 0:>11.1f} {row['moved_mb']:>8.2f} {row['decode_tokens_per_s']:>12.1f}  "
-              f"{row['store_hits_by_tier']}")
+              f"{row['resident_fraction']:>8.3f} {row['ttft_p50_ms'] or 0:>11.1f} {row['queue_p50_ms'] or 0:>9.1f} "
+              f"{row['answer_p50_ms'] or 0:>10.1f} {row['moved_mb']:>8.2f} "
+              f"{row['decode_tokens_per_s']:>12.1f}  {row['store_hits_by_tier']}")
+    print("\nreturning turns' trip to the first token, p50 of each stage (ms)")
+    for policy, row in results.items():
+        print(f"{policy:<12} " + " ".join(f"{name} {ms:.0f}" for name, ms in row["stages_p50_ms"].items()))
     print("\nreturning turns by depth: turns, TTFT p50 / p99 ms, cached fraction")
     for policy, row in results.items():
         cells = [f"{label} {cell['turns']}: {cell['ttft_p50_ms']:.0f} / {cell['ttft_p99_ms']:.0f}, "

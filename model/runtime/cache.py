@@ -67,6 +67,11 @@ class PackedRows:
     def nbytes(self) -> int:
         return self.n * self.row_bytes
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Memory the rows take, free capacity included: the bytes and their values."""
+        return self._data.numel() + self._values.numel() * self._values.element_size()
+
     def append(self, raw: torch.Tensor) -> torch.Tensor:
         """Quantise ``raw`` [m, dim] and append it; returns the stored values [m, dim]."""
         return self.append_encoded(*self.encode(raw))
@@ -183,3 +188,10 @@ class SequenceCache:
     def long_range_bytes(self) -> int:
         """Bytes of the long-range caches (entries + indexer keys)."""
         return sum(r.nbytes for r in self.entries.values()) + sum(r.nbytes for r in self.keys.values())
+
+    def allocated_bytes(self) -> int:
+        """Memory the whole cache takes: every row buffer at its capacity (bytes and
+        dequantised values), the windows, the pending pooling rows and the n-gram tail."""
+        rows = [*self.entries.values(), *self.keys.values(), *(w.rows for w in self.windows if w is not None)]
+        tensors = [*self.pending.values(), *([self.ngram.tail] if self.ngram is not None else [])]
+        return sum(r.allocated_bytes for r in rows) + sum(t.numel() * t.element_size() for t in tensors)
