@@ -103,7 +103,8 @@ def test_kept_conversations_stay_within_the_budget_and_are_taken_once(parts, gol
     assert (stats.conversations, stats.bytes, stats.evicted) == (2, sizes[1] + sizes[2], 1)
     assert kept[0][0] not in room and kept[2][0] in room
     # One larger than the budget is not kept at all.
-    assert not ResidentConversations(sizes[0] - 1).keep(kept[0][0], kept[0][1], decoder.resident._held[kept[0][0]].cache)
+    first_cache = decoder.resident._held[kept[0][0]].cache
+    assert not ResidentConversations(sizes[0] - 1).keep(kept[0][0], kept[0][1], first_cache)
 
     key, tokens = kept[2]
     # A prompt that adds nothing to encode leaves it kept; one that does not continue it
