@@ -40,7 +40,6 @@ from pathlib import Path
 import numpy as np
 
 from cluster.bench.sse import sse_chunks
-from cluster.router import parse_server_timing
 
 _WORDS = ["def", "return", "self", "value", "result", "queue", "event", "handle", "path", "open", "read", "write", "list", "dict", "item", "index", "count", "error", "raise", "try", "except", "import", "from", "class", "with", "as", "for", "in", "if", "else", "while", "yield", "async", "await", "lambda", "None", "True", "False", "print", "len", "range", "str", "int", "float", "bytes", "json", "load", "dump", "config", "node", "store", "cache", "chunk", "window"]
 _TOOLS = [
@@ -105,6 +104,8 @@ class _Agent:
 
 async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | None:
     """Send the agent's history; record the turn; append the answer and a tool result."""
+    from cluster.router import parse_server_timing  # (the Serve app's module: not at `v41` start-up)
+
     body = {"model": model, "messages": agent.messages, "max_tokens": args.max_tokens, "temperature": 0.7,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
