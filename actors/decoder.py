@@ -213,20 +213,24 @@ class DecoderPool:
         self.queued = 0  # requests in this replica waiting for a place
         self.prefetched: OrderedDict[ObjectKey, asyncio.Future] = OrderedDict()
 
-    async def prefetch(self, keys: tuple[ObjectKey, ...], preferred_nodes: list[str] | None = None) -> None:
+    async def prefetch(self, keys: tuple[ObjectKey, ...], preferred_nodes: list[str] | None = None,
+                       preferred_replica: str | None = None) -> None:
         """Start reading a returning turn's stored prefix from this node's store while
         the prefill pool encodes the turn (the router sends it with the prefill): the
-        handoff that follows finds its chunks here. Kept for the last 16 prefixes."""
+        handoff that follows finds its chunks here (on the replica the ingress chose for
+        it, ``preferred_replica``). Kept for the last 16 prefixes."""
         if keys and keys[-1] not in self.prefetched:
             fetch = self.service.store.handle.get_many.remote(list(keys))
             self.prefetched[keys[-1]] = asyncio.ensure_future(fetch)
             while len(self.prefetched) > 16:
                 self.prefetched.popitem(last=False)[1].cancel()
 
-    async def generate(self, handoff, params, request_id: str, preferred_nodes: list[str] | None = None):
+    async def generate(self, handoff, params, request_id: str, preferred_nodes: list[str] | None = None,
+                       preferred_replica: str | None = None):
         """Yields one dict per generated token; the first also carries ``cached_tokens``,
         ``prompt_tokens`` and ``replica_s`` (one stream item fewer per request).
-        ``preferred_nodes`` is read by the request router (cache affinity)."""
+        ``preferred_nodes`` and ``preferred_replica`` are read by the request router
+        (cache affinity, and the replica the ingress chose)."""
         arrived = time.time()
         prefix = None
         if handoff.stored_chunks:
@@ -263,7 +267,8 @@ class DecoderPool:
         serialise, and the prefill and the first token in one trip to the engine thread.
         ``resident``: the name of a conversation the router believes this replica keeps
         (the prompt continues it): started from that cache if it is here, else from the
-        store. ``preferred_replica`` is read by the request router (session affinity)."""
+        store. ``preferred_replica`` is read by the request router (the replica the
+        ingress chose: the one that keeps the conversation, or a less loaded one)."""
         arrived = time.time()
         rows = engram_rows(engram, self.prefill_metrics)
 

@@ -33,7 +33,7 @@ from actors.replica import ModelIdentity, prompt_gil_handoff
 from cluster import openai_api as api
 from cluster.config import AppConfig
 from cluster.images import ImageLimits, read_image
-from cluster.routing import NodeLoad
+from cluster.routing import DecoderLoad, known_replicas
 from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, tool_call_grammar
 from storage.keys import ObjectKey
 
@@ -222,7 +222,9 @@ class Router:
         self.finished: deque[float] = deque(maxlen=4096)  # when requests ended (time.monotonic), for Retry-After
         self.waiting = 0  # dispatched requests without their first token yet
         self._health: tuple[float, list[str]] | None = None
-        self.load = NodeLoad() if config.routing == "affinity" else None  # admissions pending per node
+        # Under affinity it chooses the decoder replica (admissions pending per replica).
+        self.load = DecoderLoad(lambda: known_replicas(decoder.app_name, decoder.deployment_name)) \
+            if config.routing == "affinity" else None
         # Recent answers' exact token ids by their text, so that the next turn of a
         # conversation re-renders them verbatim and its prefix stays cached.
         self.answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()
@@ -403,21 +405,23 @@ class Router:
         cache_nodes = list(plan.nodes)
         if resume is not None:
             cache_nodes = [resume[1].node] + [node for node in cache_nodes if node != resume[1].node]
-        # Where the cache is, best first (both pools' replicas there are preferred), or the
-        # least loaded node when the cache's is busier than the slack allows.
-        nodes = self.load.prefer(cache_nodes) if self.load is not None else cache_nodes
-        marks["node"] = nodes[0] if nodes and self.load is not None else None
-        if self.load is not None:
-            self.load.started(marks["node"])
+        # The decoder replica: the one that keeps the conversation, or one where the cache
+        # is, unless another has a shorter backlog of admissions (then the cache moves).
+        # The prefill pool prefers the same node.
+        kept = resume[1].replica if resume is not None else None
+        chosen = self.load.choose(cache_nodes, kept) if self.load is not None else None
+        replica, nodes = kept, cache_nodes
+        if chosen is not None:
+            replica, node = chosen
+            nodes = [node] + [other for other in cache_nodes if other != node]
+            self.load.started(replica)
+        marks["replica"] = replica
         if resume is not None:
-            # To the replica that keeps it (unless its node is too busy: then the cache
-            # moves, read from the store where the request lands), which encodes only
-            # what the conversation added, from its cache.
-            key, kept = resume
-            replica = kept.replica if nodes and nodes[0] == kept.node else None
+            # The replica that keeps it encodes only what the conversation added, from its
+            # cache; another (moved for load) reads the conversation from the store.
             decoder = self.decoder_direct if lookup is None else self.decoder
             return [(decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup,
-                                                         preferred_nodes=nodes, resident=key,
+                                                         preferred_nodes=nodes, resident=resume[0],
                                                          preferred_replica=replica), None)]
         samples = request.samples()
         if request.n == 1 and plan.cached_chunks == 0 and plan.windows == () and not images and \
@@ -427,10 +431,11 @@ class Router:
             # (An Engram lookup holds object refs: those travel by reference.)
             decoder = self.decoder_direct if lookup is None else self.decoder
             return [(decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup,
-                                                         preferred_nodes=nodes), None)]
+                                                         preferred_nodes=nodes, preferred_replica=replica), None)]
         stored = self.naming.loadable_chunks(plan)
         if stored and plan.chunk_keys:  # the decoder reads the stored prefix while the prefill runs
-            self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored], preferred_nodes=nodes)
+            self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored], preferred_nodes=nodes,
+                                                  preferred_replica=replica)
         # One prefill, whatever n: each answer's decoder admits its own copy of the handoff.
         handoff = self.prefill.prefill.remote(plan, preferred_nodes=nodes, engram=lookup)
 
@@ -440,7 +445,8 @@ class Router:
             return lambda: self.decoder_direct.prefill_and_generate.remote(plan, params, sample_id)
 
         ids = [rid] if request.n == 1 else [f"{rid}-{i}" for i in range(request.n)]
-        return [(self.decoder.generate.remote(handoff, params, sample_id, preferred_nodes=nodes),
+        return [(self.decoder.generate.remote(handoff, params, sample_id, preferred_nodes=nodes,
+                                              preferred_replica=replica),
                  without_the_pool(params, sample_id)) for params, sample_id in zip(samples, ids)]
 
     # ------------------------------------------------------------------ endpoints
@@ -530,7 +536,7 @@ class Router:
 
     async def _serve(self, request: Request, chat: bool):
         endpoint, start, arrived = ("chat" if chat else "completions"), time.perf_counter(), time.time()
-        marks = {"router_in": arrived, "node": None}  # the trip's marks; "node": where it was sent
+        marks = {"router_in": arrived, "replica": None}  # the trip's marks; "replica": where it was sent
         try:
             self._authorize(request)
             body = await self._body(request)
@@ -567,8 +573,6 @@ class Router:
             return JSONResponse(_generation_failed(error).body(), status_code=503)
         first = started[0][0]
         self._answered(marks)  # (its first token: no longer waiting for an admission)
-        if self.load is not None and first.get("node"):
-            self.load.seen(first["node"])
         queued_ms = self._admitted(first, marks)
         streams = [_chained(head, stream, self._kept) for head, stream in started]
         if parsed.stream:
@@ -665,9 +669,9 @@ class Router:
             self.metrics.waiting.set(self.waiting)
 
     def _answered(self, marks: dict) -> None:
-        """A request dispatched to ``marks["node"]`` has its first token, or failed (once)."""
+        """A request dispatched to ``marks["replica"]`` has its first token, or failed (once)."""
         if self.load is not None:
-            self.load.answered(marks.pop("node", None))
+            self.load.answered(marks.pop("replica", None))
 
     def _admitted(self, first: dict, marks: dict[str, float]) -> float:
         """Milliseconds the request waited for a place in a batch, once ready for one

@@ -1,19 +1,20 @@
 """Cache-affinity routing of requests to the pools, and the policies it is measured against.
 
 The router knows, from the Redis index, which nodes hold a prompt's stored prefix
-(RAM beats SSD); it passes them, best first, as ``preferred_nodes`` in the request's
-keyword arguments, to the prefill pool and to the decoder pool; and, for a returning
-turn whose conversation a decoder replica keeps in memory (actors/resident.py), that
-replica as ``preferred_replica``. The router picks the node first (:class:`NodeLoad`:
-the cache's, unless it has a longer backlog of admissions than another). Then
-:class:`PrefixAffinityRouter` ranks the preferred replica first, as chosen; else the
-replicas on the preferred nodes, in that order, then the rest by queue length, unless
-the preferred replicas have more than ``MOVE_SLACK`` requests in line beyond the
-least loaded one: then the request goes to the load and its cache moves (a read from
-the node that holds it). Serve tries the ranks in order and skips a replica at
-its ``max_ongoing_requests``. ``routing`` in the app's config picks the policy for both pools:
-``affinity`` (this), ``pow2`` (Serve's default, power of two choices) or
-``round_robin`` (:class:`RoundRobinRouter`), for `v41 bench agents` to compare.
+(RAM beats SSD), and which decoder replica keeps a returning turn's conversation in
+memory (actors/resident.py). Under ``affinity`` it chooses the decoder replica itself
+(:class:`DecoderLoad`: the one that keeps the conversation, else one on the cache's
+node, unless it has a longer backlog of admissions than another) and passes it as
+``preferred_replica``, with the nodes, best first, as ``preferred_nodes`` (to the
+prefill pool too). :class:`PrefixAffinityRouter` ranks the preferred replica first,
+as chosen; else the replicas on the preferred nodes, in that order, then the rest by
+queue length, unless the preferred replicas have more than ``MOVE_SLACK`` requests in
+line beyond the least loaded one: then the request goes to the load and its cache
+moves (a read from the node that holds it). Serve tries the ranks in order and skips
+a replica at its ``max_ongoing_requests``. ``routing`` in the app's config picks the
+policy for both pools: ``affinity`` (this), ``pow2`` (Serve's default, power of two
+choices) or ``round_robin`` (:class:`RoundRobinRouter`), for `v41 bench agents` to
+compare.
 """
 
 from __future__ import annotations
@@ -58,52 +59,77 @@ def rank_replicas(replicas: list, preferred_nodes: list[str], queue_len, slack: 
     return ranks
 
 
-# How many more requests waiting for their first token a node may have than the least
-# loaded node before the router sends a request there instead of to its cache. Waiting
-# costs each admission ahead of it on the decoder's engine thread: encoding the turn's
-# new tokens and replaying them (0.55-0.6 s of engine time p50 for `v41 bench agents`'
-# turns, 50-500 tokens added at 2-16K deep); moving costs reading the cache from the
-# store (~50 ms there). So any longer backlog than the least loaded node's sends the
-# request to the load.
+# How many more requests waiting for their first token a decoder replica may have than
+# the least loaded replica before the router sends a request there instead of to its
+# cache. Waiting costs each admission ahead of it on the replica's engine thread:
+# encoding the turn's new tokens and replaying them (0.55-0.6 s of engine time p50 for
+# `v41 bench agents`' turns, 50-500 tokens added at 2-16K deep); moving costs reading the
+# cache from the store (~50 ms there). So any longer backlog than the least loaded
+# replica's sends the request to the load.
 ADMISSION_SLACK = 0
 
+# The decoder replicas that this process's request routers know of, per deployment
+# ((app, deployment) -> {replica id: node id}): Serve's own view, kept current by its
+# long poll (:meth:`PrefixAffinityRouter.update_replicas`). The ingress reads it to
+# choose a replica before it sends a request (:class:`DecoderLoad`).
+_REPLICAS: dict[tuple[str, str], dict[str, str]] = {}
 
-class NodeLoad:
-    """The router's own count, per node, of its requests dispatched there that have no
-    first token yet (exact and current for one router; Serve's queue lengths lag and
-    count every running request): the backlog of admissions a request would wait
-    behind. With it, the node a request should go to: where its cache is, unless that
-    node has more than ``slack`` such requests beyond the least loaded node it knows
-    (then the request goes there, and reads its cache from the store)."""
 
-    def __init__(self, slack: int = ADMISSION_SLACK) -> None:
+def known_replicas(app: str, deployment: str) -> dict[str, str]:
+    """{replica id: node id} of a deployment, as this process's request routers know it
+    (empty until a handle to it has sent its first request)."""
+    return _REPLICAS.get((app, deployment), {})
+
+
+class DecoderLoad:
+    """The router's own count, per decoder replica, of its requests dispatched there that
+    have no first token yet (exact and current for one router; Serve's queue lengths lag
+    and count every running request): the backlog of admissions a request would wait
+    behind. With it, the replica a request should go to: the one that keeps its
+    conversation, else the least loaded one on the first node that holds its cache,
+    unless that one has more than ``slack`` such requests beyond the least loaded
+    replica of all (then the request goes there, and reads its cache from the store).
+    ``replicas()`` gives the pool as {replica id: node id}."""
+
+    def __init__(self, replicas, slack: int = ADMISSION_SLACK) -> None:
+        self.replicas = replicas
         self.slack = slack
-        self.pending: dict[str, int] = {}  # node -> requests without a first token (nodes seen serving)
+        self.pending: dict[str, int] = {}  # replica -> requests without a first token
+        self._turn = 0  # ties between the least loaded replicas go to each in turn
 
-    def seen(self, node: str) -> None:
-        """``node`` has a decoder replica (learnt from the answers)."""
-        self.pending.setdefault(node, 0)
+    def choose(self, cache_nodes: list[str], kept: str | None = None) -> tuple[str, str] | None:
+        """(replica, its node) for a request whose cache is on ``cache_nodes`` (best
+        first) or kept by replica ``kept``; None while the pool is unknown."""
+        replicas = self.replicas()
+        if not replicas:
+            return None
+        ordered = sorted(replicas)
+        self._turn = (self._turn + 1) % len(ordered)
+        ordered = ordered[self._turn:] + ordered[:self._turn]
 
-    def prefer(self, cache_nodes: list[str]) -> list[str]:
-        """The nodes to prefer, best first: the cache's, or the least loaded one ahead
-        of it (the cache then moves there)."""
-        if not self.pending:
-            return list(cache_nodes)
-        least = min(self.pending, key=lambda node: (self.pending[node], node))
-        if cache_nodes and cache_nodes[0] in self.pending and \
-                self.pending[cache_nodes[0]] - self.pending[least] <= self.slack:
-            return list(cache_nodes)
-        return [least] + [node for node in cache_nodes if node != least]
+        def load(replica: str) -> int:
+            return self.pending.get(replica, 0)
 
-    def started(self, node: str | None) -> None:
-        """A request was sent to ``node``."""
-        if node is not None:
-            self.pending[node] = self.pending.get(node, 0) + 1
+        least = min(ordered, key=load)
+        preferred = kept if kept in replicas else None
+        for node in cache_nodes if preferred is None else ():
+            here = [replica for replica in ordered if replicas[replica] == node]
+            if here:
+                preferred = min(here, key=load)
+                break
+        if preferred is not None and load(preferred) - load(least) <= self.slack:
+            return preferred, replicas[preferred]
+        return least, replicas[least]
 
-    def answered(self, node: str | None) -> None:
-        """A request sent to ``node`` has its first token, or ended without one (once)."""
-        if node is not None and self.pending.get(node, 0) > 0:
-            self.pending[node] -= 1
+    def started(self, replica: str | None) -> None:
+        """A request was sent to ``replica``."""
+        if replica is not None:
+            self.pending[replica] = self.pending.get(replica, 0) + 1
+
+    def answered(self, replica: str | None) -> None:
+        """A request sent to ``replica`` has its first token, or ended without one (once)."""
+        if replica is not None and self.pending.get(replica, 0) > 0:
+            self.pending[replica] -= 1
 
 
 def _back_off_when_full(pending_request: PendingRequest | None) -> None:
@@ -117,7 +143,24 @@ def _back_off_when_full(pending_request: PendingRequest | None) -> None:
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    """Prefer replicas on the nodes that hold the request's cached prefix."""
+    """Prefer the replica the ingress chose, else replicas on the nodes that hold the
+    request's cached prefix. It publishes the pool it knows (:func:`known_replicas`)."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._publish()
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._publish()
+
+    def _publish(self) -> None:
+        # Serve ships this class to the caller by value (cloudpickle): its globals are a
+        # copy, so the registry is reached through the module the ingress imported.
+        import cluster.routing
+
+        cluster.routing._REPLICAS[(self._deployment_id.app_name, self._deployment_id.name)] = {
+            replica.replica_id.unique_id: replica.node_id for replica in self.curr_replicas.values()}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from cluster.routing import MOVE_SLACK, rank_replicas
 
 
@@ -42,29 +44,65 @@ def test_a_busy_cache_node_gives_way_to_the_least_loaded_replica():
 
 
 def test_the_routers_own_count_sends_a_request_to_its_cache_or_to_the_least_backlog():
-    from cluster.routing import NodeLoad
+    from cluster.routing import DecoderLoad
 
-    load = NodeLoad(slack=0)
-    assert load.prefer(["B"]) == ["B"]  # no node seen serving yet: the cache's order as is
-    for node in ("A", "B"):
-        load.seen(node)
-    assert load.prefer(["B", "A"]) == ["B", "A"]  # a tie: the cache wins
-    load.started("B")
-    # One more request waiting for its first token on B: it goes to A, its cache moves.
-    assert load.prefer(["B", "A"]) == ["A", "B"]
-    assert load.prefer([]) == ["A"]  # nothing cached: the least loaded node
-    load.started("A")
-    assert load.prefer(["B"]) == ["B"]
-    load.answered("B")
-    load.answered("B")  # more answers than requests never go below zero
-    assert load.pending == {"A": 1, "B": 0}
-    assert load.prefer(["A"]) == ["B", "A"]
-    patient = NodeLoad(slack=1)  # waits behind one more admission for its cache
-    patient.seen("A")
-    patient.started("B")
-    assert patient.prefer(["B"]) == ["B"]
-    patient.started("B")
-    assert patient.prefer(["B"]) == ["A", "B"]
+    pool = {}
+    load = DecoderLoad(lambda: pool, slack=0)
+    assert load.choose(["B"]) is None  # the pool not known yet: Serve's ranks decide
+    pool.update(a1="A", a2="A", b1="B")
+    assert load.choose(["B", "A"]) == ("b1", "B")  # a tie: the cache wins
+    assert load.choose(["B"], kept="a2") == ("a2", "A")  # the replica that keeps the conversation
+    load.started("b1")
+    # One more request waiting for its first token on b1: it goes to an idle replica on
+    # the next cache node, or anywhere when that was the only one (its cache moves).
+    assert load.choose(["B", "A"]) in {("a1", "A"), ("a2", "A")}
+    assert load.choose(["B"], kept="b1")[1] == "A"
+    load.started("a1")
+    assert load.choose(["A"]) == ("a2", "A")  # the least loaded replica on the cache's node
+    load.started("a2")
+    assert load.choose(["B"]) == ("b1", "B")  # every replica one behind: the cache wins
+    load.answered("b1")
+    load.answered("b1")  # more answers than requests never go below zero
+    assert load.pending == {"a1": 1, "a2": 1, "b1": 0}
+    assert load.choose(["A"]) == ("b1", "B")
+    # Nothing cached: the least loaded replicas in turn (sessions spread over the pool).
+    load.answered("a1")
+    load.answered("a2")
+    assert {load.choose([])[0] for _ in range(6)} == {"a1", "a2", "b1"}
+    # A replica that is gone (its kept conversation is read from the store elsewhere).
+    assert load.choose(["A"], kept="zz")[1] == "A"
+    patient = DecoderLoad(lambda: {"a1": "A", "b1": "B"}, slack=1)  # waits behind one more admission
+    patient.started("b1")
+    assert patient.choose(["B"]) == ("b1", "B")
+    patient.started("b1")
+    assert patient.choose(["B"]) == ("a1", "A")
+
+
+def test_the_affinity_router_publishes_the_pool_it_knows():
+    """The ingress chooses among the replicas its handle's request router knows: the
+    router publishes them as Serve updates them, and forgets a dead one."""
+    from types import SimpleNamespace
+
+    from cluster.routing import PrefixAffinityRouter, known_replicas
+
+    class Published(PrefixAffinityRouter):
+        def __init__(self):  # (no Serve around: only what _publish reads)
+            self._deployment_id = SimpleNamespace(app_name="app", name="DecoderPool")
+            self.replicas = {}
+
+        @property
+        def curr_replicas(self):
+            return self.replicas
+
+    router = Published()
+    replicas = [SimpleNamespace(replica_id=SimpleNamespace(unique_id=f"r{i}"), node_id=n) for i, n in enumerate("AB")]
+    router.replicas = {r.replica_id.unique_id: r for r in replicas}  # (Serve keys them by ReplicaID)
+    router._publish()
+    assert known_replicas("app", "DecoderPool") == {"r0": "A", "r1": "B"}
+    assert known_replicas("app", "PrefillPool") == {}
+    del router.replicas["r0"]
+    router._publish()
+    assert known_replicas("app", "DecoderPool") == {"r1": "B"}
 
 
 def test_the_routers_let_serve_back_off_when_every_replica_is_full():
@@ -109,8 +147,48 @@ def test_the_replica_that_keeps_the_conversation_comes_first():
         ranked = rank_replicas([a1, a2, b1], list(nodes), lambda r: loads.get(r.name), preferred_replica=kept)
         return [[r.name for r in rank] for rank in ranked]
 
-    # The router chose it knowing every node's backlog (NodeLoad): Serve's lagging
+    # The router chose it knowing every replica's backlog (DecoderLoad): Serve's lagging
     # queue lengths only order the others, should it be gone or full.
     assert order({"a1": 0, "a2": MOVE_SLACK + 3, "b1": 1}) == [["a2"], ["a1", "b1"]]
     # A replica that is gone: the node order as before.
     assert order({"a1": 1, "a2": 0, "b1": 0}, kept="zz") == [["a1", "a2"], ["b1"]]
+
+
+@pytest.mark.slow
+def test_the_ingress_knows_the_pool_and_its_choice_is_where_requests_go():
+    """On a real Serve app: the affinity router in the caller's process publishes the
+    pool's replicas (Serve ships the router class by value, so a global of its module
+    would be a copy nobody reads), and a request goes to the replica named as its
+    ``preferred_replica``, whatever the queue lengths."""
+    import ray
+    from ray import serve
+
+    from cluster.routing import request_router_config
+
+    @serve.deployment(num_replicas=3, request_router_config=request_router_config("affinity"),
+                      ray_actor_options={"num_cpus": 0})
+    class Pool:
+        def who(self, preferred_replica: str | None = None) -> str:
+            return serve.get_replica_context().replica_id.unique_id
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Ingress:
+        def __init__(self, pool):
+            self.pool = pool
+
+        async def __call__(self, preferred: str | None = None) -> tuple[dict, str]:
+            from cluster.routing import known_replicas
+
+            answered = await self.pool.who.remote(preferred_replica=preferred)
+            return known_replicas(self.pool.app_name, self.pool.deployment_name), answered
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        ingress = serve.run(Ingress.bind(Pool.bind()), name="routing-test")
+        pool, _ = ingress.remote().result()
+        assert len(pool) == 3 and len(set(pool.values())) == 1  # three replicas, this one node
+        for replica in sorted(pool) * 3:
+            assert ingress.remote(replica).result()[1] == replica
+    finally:
+        serve.shutdown()
+        ray.shutdown()
