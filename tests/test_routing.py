@@ -182,9 +182,15 @@ def test_the_ingress_knows_the_pool_and_its_choice_is_where_requests_go():
             answered = await self.pool.who.remote(preferred_replica=preferred)
             return known_replicas(self.pool.app_name, self.pool.deployment_name), answered
 
+    from cluster.commands.serve import use_serve_environment
+    from storage.redis_server import free_port
+
+    # Serve as the app runs it (direct ingress on a port of its own): a test before this
+    # one may have left its environment, whose port is gone.
+    use_serve_environment(free_port())
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
-        ingress = serve.run(Ingress.bind(Pool.bind()), name="routing-test")
+        ingress = serve.run(Ingress.bind(Pool.bind()), name="routing-test", route_prefix=None)
         pool, _ = ingress.remote().result()
         assert len(pool) == 3 and len(set(pool.values())) == 1  # three replicas, this one node
         for replica in sorted(pool) * 3:
