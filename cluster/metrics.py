@@ -35,6 +35,9 @@ class RouterMetrics:
                                      "(queued for a place in a batch, or in their prefill)")
         self.queue_wait = metrics.Histogram("v41_queue_wait_seconds", "time a ready request waited for a place in "
                                             "a decoder batch", boundaries=_LATENCY_BOUNDS)
+        self.routed = metrics.Counter("v41_router_decoder_choices_total", "decoder replicas the router chose (routing "
+                                      "affinity), by why: kept the conversation, on the cache's node, moved for "
+                                      "load, or anywhere (nothing cached)", tag_keys=("choice",))
         self.redis_up = metrics.Gauge("v41_redis_up", "1 when the cluster index (Redis) answers, else 0")
         self.stores_down = metrics.Gauge("v41_stores_down", "node stores not answering")
 

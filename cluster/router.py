@@ -412,9 +412,10 @@ class Router:
         chosen = self.load.choose(cache_nodes, kept) if self.load is not None else None
         replica, nodes = kept, cache_nodes
         if chosen is not None:
-            replica, node = chosen
-            nodes = [node] + [other for other in cache_nodes if other != node]
+            replica = chosen.replica
+            nodes = [chosen.node] + [node for node in cache_nodes if node != chosen.node]
             self.load.started(replica)
+            self.metrics.routed.inc(tags={"choice": chosen.reason})
         marks["replica"] = replica
         if resume is not None:
             # The replica that keeps it encodes only what the conversation added, from its

@@ -19,6 +19,8 @@ compare.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 # How many more requests in line a replica on the cache's node may have than the least
@@ -81,6 +83,18 @@ def known_replicas(app: str, deployment: str) -> dict[str, str]:
     return _REPLICAS.get((app, deployment), {})
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The decoder replica the ingress chose for a request, its node, and why: ``kept``
+    (it keeps the conversation), ``cache`` (on the node holding the cache), ``moved``
+    (those had a longer line: the cache moves) or ``anywhere`` (nothing cached that
+    a replica's node holds: the least loaded)."""
+
+    replica: str
+    node: str
+    reason: str
+
+
 class DecoderLoad:
     """The router's own count, per decoder replica, of its requests dispatched there that
     have no first token yet (exact and current for one router; Serve's queue lengths lag
@@ -97,9 +111,9 @@ class DecoderLoad:
         self.pending: dict[str, int] = {}  # replica -> requests without a first token
         self._turn = 0  # ties between the least loaded replicas go to each in turn
 
-    def choose(self, cache_nodes: list[str], kept: str | None = None) -> tuple[str, str] | None:
-        """(replica, its node) for a request whose cache is on ``cache_nodes`` (best
-        first) or kept by replica ``kept``; None while the pool is unknown."""
+    def choose(self, cache_nodes: list[str], kept: str | None = None) -> Choice | None:
+        """The replica for a request whose cache is on ``cache_nodes`` (best first) or
+        kept by replica ``kept``; None while the pool is unknown."""
         replicas = self.replicas()
         if not replicas:
             return None
@@ -111,15 +125,17 @@ class DecoderLoad:
             return self.pending.get(replica, 0)
 
         least = min(ordered, key=load)
-        preferred = kept if kept in replicas else None
+        preferred, reason = (kept, "kept") if kept in replicas else (None, "cache")
         for node in cache_nodes if preferred is None else ():
             here = [replica for replica in ordered if replicas[replica] == node]
             if here:
                 preferred = min(here, key=load)
                 break
-        if preferred is not None and load(preferred) - load(least) <= self.slack:
-            return preferred, replicas[preferred]
-        return least, replicas[least]
+        if preferred is None:
+            return Choice(least, replicas[least], "anywhere")
+        if load(preferred) - load(least) <= self.slack:
+            return Choice(preferred, replicas[preferred], reason)
+        return Choice(least, replicas[least], "moved")
 
     def started(self, replica: str | None) -> None:
         """A request was sent to ``replica``."""
@@ -157,7 +173,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def _publish(self) -> None:
         # Serve ships this class to the caller by value (cloudpickle): its globals are a
         # copy, so the registry is reached through the module the ingress imported.
-        import cluster.routing
+        import cluster.routing  # noqa: PLW0406 (the real module, not this copy of its globals)
 
         cluster.routing._REPLICAS[(self._deployment_id.app_name, self._deployment_id.name)] = {
             replica.replica_id.unique_id: replica.node_id for replica in self.curr_replicas.values()}

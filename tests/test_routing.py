@@ -46,36 +46,42 @@ def test_a_busy_cache_node_gives_way_to_the_least_loaded_replica():
 def test_the_routers_own_count_sends_a_request_to_its_cache_or_to_the_least_backlog():
     from cluster.routing import DecoderLoad
 
+    def chosen(*args, **kwargs):
+        choice = load.choose(*args, **kwargs)
+        return choice.replica, choice.node, choice.reason
+
     pool = {}
     load = DecoderLoad(lambda: pool, slack=0)
     assert load.choose(["B"]) is None  # the pool not known yet: Serve's ranks decide
     pool.update(a1="A", a2="A", b1="B")
-    assert load.choose(["B", "A"]) == ("b1", "B")  # a tie: the cache wins
-    assert load.choose(["B"], kept="a2") == ("a2", "A")  # the replica that keeps the conversation
+    assert chosen(["B", "A"]) == ("b1", "B", "cache")  # a tie: the cache wins
+    assert chosen(["B"], kept="a2") == ("a2", "A", "kept")  # the replica that keeps the conversation
     load.started("b1")
-    # One more request waiting for its first token on b1: it goes to an idle replica on
-    # the next cache node, or anywhere when that was the only one (its cache moves).
-    assert load.choose(["B", "A"]) in {("a1", "A"), ("a2", "A")}
-    assert load.choose(["B"], kept="b1")[1] == "A"
+    # One more request waiting for its first token on b1: it goes to an idle replica
+    # (its cache moves, read from B's store).
+    assert chosen(["B", "A"])[1:] == ("A", "moved")
+    assert chosen(["B"], kept="b1")[1:] == ("A", "moved")
     load.started("a1")
-    assert load.choose(["A"]) == ("a2", "A")  # the least loaded replica on the cache's node
+    assert chosen(["A"]) == ("a2", "A", "cache")  # the least loaded replica on the cache's node
     load.started("a2")
-    assert load.choose(["B"]) == ("b1", "B")  # every replica one behind: the cache wins
+    assert chosen(["B"]) == ("b1", "B", "cache")  # every replica one behind: the cache wins
     load.answered("b1")
     load.answered("b1")  # more answers than requests never go below zero
     assert load.pending == {"a1": 1, "a2": 1, "b1": 0}
-    assert load.choose(["A"]) == ("b1", "B")
-    # Nothing cached: the least loaded replicas in turn (sessions spread over the pool).
+    assert chosen(["A"]) == ("b1", "B", "moved")
+    # Nothing cached (or only where no replica runs): the least loaded replicas in turn,
+    # so sessions spread over the pool.
     load.answered("a1")
     load.answered("a2")
-    assert {load.choose([])[0] for _ in range(6)} == {"a1", "a2", "b1"}
+    assert {chosen([])[0] for _ in range(6)} == {"a1", "a2", "b1"}
+    assert chosen(["C"])[2] == "anywhere"
     # A replica that is gone (its kept conversation is read from the store elsewhere).
-    assert load.choose(["A"], kept="zz")[1] == "A"
+    assert chosen(["A"], kept="zz")[1:] == ("A", "cache")
     patient = DecoderLoad(lambda: {"a1": "A", "b1": "B"}, slack=1)  # waits behind one more admission
     patient.started("b1")
-    assert patient.choose(["B"]) == ("b1", "B")
+    assert patient.choose(["B"]).replica == "b1"
     patient.started("b1")
-    assert patient.choose(["B"]) == ("a1", "A")
+    assert patient.choose(["B"]).replica == "a1"
 
 
 def test_the_affinity_router_publishes_the_pool_it_knows():

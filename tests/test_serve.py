@@ -266,7 +266,7 @@ def test_metrics_reach_prometheus_through_ray(client):
                                    max_tokens=3, temperature=0)
     port = ray.nodes()[0]["MetricsExportPort"]
     wanted = ("v41_requests_total", "v41_ttft_seconds", "v41_prompt_tokens_total", "v41_decoder_batch_size",
-              "v41_decoder_running_requests")
+              "v41_decoder_running_requests", "v41_router_decoder_choices_total")
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:  # Ray pushes a worker's metrics every few seconds
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
