@@ -164,8 +164,8 @@ def test_the_replica_that_keeps_the_conversation_comes_first():
 def test_the_ingress_knows_the_pool_and_its_choice_is_where_requests_go():
     """On a real Serve app: the affinity router in the caller's process publishes the
     pool's replicas (Serve ships the router class by value, so a global of its module
-    would be a copy nobody reads), and a request goes to the replica named as its
-    ``preferred_replica``, whatever the queue lengths."""
+    would be a copy nobody reads), and each request goes to the replica named as its
+    ``preferred_replica``."""
     import ray
     from ray import serve
 
