@@ -76,9 +76,10 @@ class AppConfig(BaseModel):
     max_model_len: PositiveInt = 16384
     chunk_tokens: PositiveInt = 64
     exact_replay: bool = False
-    # The decoder pool runs each layer's per-token work compiled (torch.compile; model/
-    # runtime/compiled.py): compiled when a replica starts (inductor's disk cache keeps
-    # it for the next start), decode steps faster; see docs/performance.md.
+    # The decoder pool runs each layer's per-token work compiled (AOTInductor; model/
+    # runtime/compiled.py): built when a replica first starts (~2 min on configs/small,
+    # kept in ~/.cache/v41/aot for the next start: ~2 s), decode steps x3-4 faster at
+    # batch 1; needs a C++ compiler; see docs/performance.md.
     compiled_step: bool = False
     decoder_parallel: ParallelConfig = ParallelConfig()
     prefill_parallel: ParallelConfig = ParallelConfig()

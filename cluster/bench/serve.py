@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--history", type=int, default=16384, help="history tokens of the returning turn")
     parser.add_argument("--repeats", type=int, default=40, help="overhead repetitions")
     parser.add_argument("--returning", type=int, default=7, help="returning turns timed (median)")
+    parser.add_argument("--compiled-step", action="store_true", help="the decoder pool runs the compiled step")
 
 
 async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dict]:
@@ -196,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     in_process = _in_process_one_token(model, args.repeats)
     port = free_port()
     cache_dir = tempfile.mkdtemp(prefix="v41-bench-serve-")  # removed once the store actors are gone
-    app_args = {"model": str(model), "ssd_dir": cache_dir + "/{node}", "max_model_len": args.history * 2 + 1024}
+    app_args = {"model": str(model), "ssd_dir": cache_dir + "/{node}", "max_model_len": args.history * 2 + 1024,
+                "compiled_step": args.compiled_step}
     try:
         with local_app(app_args, port=port):  # as `v41 serve` runs the app
             name = AppConfig.from_args({"model": str(model)}).model_name
@@ -209,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     overhead_ms = _overhead_ms(short)
     vs_in_process_ms = 1e3 * (http_p50 - statistics.median(in_process))
     ratio = results["returning"]["ttft_s"] / results["cold"]["ttft_s"]
-    print(f"v41 bench serve: {model}")
+    print(f"v41 bench serve: {model}" + (" (compiled step)" if args.compiled_step else ""))
     print(f"{'clients':>8}  {'TTFT p50 ms':>12}  {'tokens/s':>9}")
     for n, row in results["concurrency"].items():
         print(f"{n:>8}  {row['ttft_ms_p50']:>12.1f}  {row['tokens_per_s']:>9.1f}")

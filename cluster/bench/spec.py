@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per request in the batch table")
     parser.add_argument("--repeats", type=int, default=2, help="rounds over all modes in the batch table (interleaved)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compiled", action="store_true",
+                        help="run the compiled layer step (AOTInductor, as compiled_step serves it)")
 
 
 def _prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
@@ -145,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.checkpoint} has no DSpark drafter")
     calibration_path = args.checkpoint / "dspark_calibration.json"
     calibration = Calibration.from_dict(json.loads(calibration_path.read_text())) if calibration_path.exists() else None
-    engine = Engine(checkpoint.backbone, hasher)
+    engine = Engine(checkpoint.backbone, hasher, compiled=args.compiled)
+    if engine.compiled is not None:
+        engine.warm_compiled()
     drafter = SpeculativeDrafter(checkpoint.drafter, engine, calibration)
     k_max = drafter.block_size
     if any(not 1 <= k <= k_max for k in fixed):
@@ -239,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "checkpoint": str(args.checkpoint),
         "calibrated": calibration is not None,
+        "compiled": engine.compiled is not None,
         "single_stream_tokens_per_s": {"plain": round(plain_tps, 3), "speculative": round(spec_tps, 3)},
         "single_stream_speedup": round(spec_tps / plain_tps, 4),
         "greedy_outputs_equal": equal,

@@ -170,10 +170,11 @@ class Engine:
     """Runs a :class:`Transformer` over :class:`SequenceCache` objects. No I/O, no Ray."""
 
     def __init__(self, model: Transformer, hasher: NgramHasher | None, bounded_replay: bool = True,
-                 query_chunk: int = 128, prefill_chunk: int = 1024, compiled: bool = False,
+                 query_chunk: int = 128, prefill_chunk: int = 1024, compiled: bool | str = False,
                  image_token_id: int | None = None):
         """``compiled``: steps of few tokens (decode, verify, short replays) run each
-        block's per-token work compiled (:mod:`model.runtime.compiled`).
+        block's per-token work compiled (:mod:`model.runtime.compiled`): ``True`` or
+        ``"aot"`` built ahead of time by AOTInductor, ``"jit"`` by ``torch.compile``.
         ``image_token_id`` (a model that reads images): positions holding it are image
         positions: their embeddings come from an :class:`ImageSpan`, the MoE routers use
         their image bias there, Engram's gate is shut there and its n-grams never cross
@@ -184,7 +185,7 @@ class Engine:
         if compiled:
             from model.runtime.compiled import CompiledBlocks
 
-            self.compiled = CompiledBlocks(model)
+            self.compiled = CompiledBlocks(model, mode="aot" if compiled is True else compiled)
         self.config = model.config
         self.query_chunk, self.prefill_chunk = query_chunk, prefill_chunk
         self.decoder_start = self.config.decoder_start
@@ -194,13 +195,16 @@ class Engine:
         self._decoder_engram = tuple(i for i in self.config.engram_layer_ids if i >= self.decoder_start)
 
     def warm_compiled(self) -> None:
-        """Compile the layer step for one token and for several (a throwaway decode of
-        one and of two sequences), so that no request pays for it."""
+        """Compile the layer step for one token, for several, and for as many as it takes
+        (the MoE's other form), with long-range groups completing: throwaway decodes of
+        one sequence, of two, and of the most tokens a compiled step runs, so that no
+        request pays for it."""
         caches = [self.new_cache() for _ in range(2)]
         for cache in caches:
             self.replay(cache, self.prefill(cache, [3, 4, 5]))
         self.decode([(caches[0], [6])])
         self.decode([(cache, [7]) for cache in caches])
+        self.decode([(caches[1], [8 + i % 64 for i in range(self.compiled.max_tokens)])])
 
     def new_cache(self) -> SequenceCache:
         device = self.model.embed.weight.device

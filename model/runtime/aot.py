@@ -1,0 +1,191 @@
+"""Functions of tensors built ahead of time by AOTInductor, kept on disk.
+
+A ``torch.compile``d function pays ~35-90 us of Python on every call before its
+kernels run (dynamo's guards, the AOT autograd wrapper, the generated Python that
+allocates the outputs); a decode step on a small model makes 40 such calls, so that
+overhead, not the kernels, is most of the compiled step. AOTInductor compiles the same
+inductor kernels with a C++ wrapper into a shared library (a ``.pt2`` package): a call
+checks the input shapes against the exported ranges and runs, with no guards and no
+Python in between.
+
+An :class:`AotFunction` wraps one Python function. It is called with a *variant* key
+(which the caller knows: a layer and an MoE form) and the function's arguments; the
+first call of a variant exports the function with its non-tensor arguments baked in
+and the named dimensions dynamic (``torch.export``), builds or loads the package, and
+every later call of that variant runs it. Variants with the same signature (the layers
+of a model share most) share one package. Packages live under ``cache_dir`` named by
+a digest of everything that determines their code: the sources of the modules the
+functions call, torch's version, the CPU's vector instruction set, the function, its
+non-tensor arguments and its tensors' static shapes and dtypes. A package is written
+to a temporary name and renamed into place, so a reader sees all of one or none; one
+that fails to load is built again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+
+def default_cache_dir() -> Path:
+    """``$V41_AOT_CACHE``, else ``$XDG_CACHE_HOME/v41/aot`` (``~/.cache/v41/aot``)."""
+    if os.environ.get("V41_AOT_CACHE"):
+        return Path(os.environ["V41_AOT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "v41" / "aot"
+
+
+@dataclass(frozen=True)
+class Dynamic:
+    """A dynamic dimension: its name, its range, and a multiple (a dimension that is
+    ``multiple`` times the named one, e.g. pooling groups of ``ratio`` rows)."""
+
+    name: str
+    low: int
+    high: int
+    multiple: int = 1
+
+
+# One variant's dynamic dimensions: per argument index, per dimension.
+Dims = dict[int, dict[int, Dynamic]]
+
+
+def _example_size(dim: Dynamic) -> int:
+    """An example value inside the range that export does not specialise: 0 and 1 are
+    special to its shape analysis, so 2 or more where the range allows."""
+    return min(dim.high, max(dim.low, 3))
+
+
+def _example(tensor: torch.Tensor, dims: dict[int, Dynamic]) -> torch.Tensor:
+    """``tensor`` with each dynamic dimension resized to its example size (rows repeated
+    or dropped; the values do not matter to the code built)."""
+    for axis, dim in dims.items():
+        size = _example_size(dim) * dim.multiple
+        if tensor.shape[axis] >= size:
+            tensor = tensor.narrow(axis, 0, size)
+        else:
+            shape = [-1] * tensor.dim()
+            shape[axis] = size
+            tensor = tensor.narrow(axis, 0, 1).expand(*shape)
+    return tensor.contiguous()  # (every input is built and called contiguous)
+
+
+class _Bound(torch.nn.Module):
+    """``fn`` with its non-tensor arguments fixed: forward takes the tensors (and Nones)."""
+
+    def __init__(self, fn: Callable, args: Sequence, tensor_places: list[int]) -> None:
+        super().__init__()
+        self.fn, self.args, self.places = fn, list(args), tensor_places
+
+    def forward(self, *tensors):
+        args = list(self.args)
+        for place, tensor in zip(self.places, tensors):
+            args[place] = tensor
+        return self.fn(*args)
+
+
+class _Package:
+    """A loaded package, called with the tensors (Nones are dropped: export flattens
+    them away) and without the per-call parsing of its input and output specs that
+    ``AOTICompiledModel.__call__`` does."""
+
+    def __init__(self, path: Path) -> None:
+        with warnings.catch_warnings():  # torch's own spec parsing warns of its deprecations
+            warnings.simplefilter("ignore", FutureWarning)
+            self.loader = torch._inductor.aoti_load_package(str(path)).loader
+            self.out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
+
+    def __call__(self, tensors: list[torch.Tensor | None]):
+        return pytree.tree_unflatten(self.loader.boxed_run([t for t in tensors if t is not None]), self.out_spec)
+
+
+class AotFunction:
+    """``fn`` built by AOTInductor per variant (see the module docstring)."""
+
+    def __init__(self, fn: Callable, cache_dir: Path, source_digest: str) -> None:
+        self.fn, self.cache_dir, self.source_digest = fn, cache_dir, source_digest
+        self._variants: dict[object, tuple[Callable, list[int]]] = {}
+        self._runners: dict[Path, Callable] = {}  # one loaded package per signature
+        self.built: list[float] = []  # seconds each package this process built took
+
+    def __call__(self, variant: object, dims: Callable[[], Dims], *args):
+        """Run ``fn(*args)``; ``dims`` gives the variant's dynamic dimensions on its first call."""
+        found = self._variants.get(variant)
+        if found is None:
+            found = self._variants[variant] = self._prepare(args, dims())
+        runner, places, copy = found
+        return runner([args[place].contiguous() if place in copy else args[place] for place in places])
+
+    def _prepare(self, args: Sequence, dims: Dims) -> tuple[Callable, list[int], frozenset[int]]:
+        """The variant's package, the places of its tensors (and Nones) in ``args``, and
+        those made contiguous on each call. The package's kernels assume contiguous
+        inputs (a strided or broadcast view gives wrong sums, not an error), so every
+        input with a dynamic dimension is made contiguous, and any other (a weight: the
+        same tensor on every call of the variant) that is not contiguous now."""
+        places = [i for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor)]
+        copy = frozenset(i for i in places if i in dims or (args[i] is not None and not args[i].is_contiguous()))
+        statics = [None if i in places else args[i] for i in range(len(args))]
+        signature = repr((
+            self.source_digest, torch.__version__, str(torch._inductor.cpu_vec_isa.pick_vec_isa()),
+            self.fn.__module__, self.fn.__qualname__, statics,
+            [None if args[i] is None else (str(args[i].dtype), str(args[i].device),
+                                           [dims.get(i, {}).get(axis) or size
+                                            for axis, size in enumerate(args[i].shape)])
+             for i in places]))
+        digest = hashlib.sha256(signature.encode()).hexdigest()[:24]
+        path = self.cache_dir / f"{self.fn.__name__.strip('_')}-{digest}.pt2"
+        runner = self._runners.get(path)
+        if runner is None:
+            runner = self._runners[path] = self._load_or_build(path, args, dims, places)
+        return runner, places, copy
+
+    def _load_or_build(self, path: Path, args: Sequence, dims: Dims, places: list[int]) -> Callable:
+        if path.exists():
+            try:
+                return _Package(path)
+            except Exception:  # noqa: BLE001 (a torn or foreign package is a miss: built again below)
+                path.unlink(missing_ok=True)
+        started = time.perf_counter()
+        examples = tuple(None if args[i] is None else _example(args[i], dims.get(i, {})) for i in places)
+        symbols: dict[str, torch.export.Dim] = {}
+
+        def symbol(dim: Dynamic):
+            if dim.name not in symbols:
+                symbols[dim.name] = torch.export.Dim(dim.name, min=dim.low, max=dim.high)
+            return symbols[dim.name] * dim.multiple if dim.multiple != 1 else symbols[dim.name]
+
+        shapes = tuple(None if args[i] is None else
+                       {axis: symbol(dim) for axis, dim in dims.get(i, {}).items() if dim.low != dim.high}
+                       for i in places)
+        bound = _Bound(self.fn, args, places)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial.pt2")
+        os.close(handle)
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                program = torch.export.export(bound, examples, dynamic_shapes=(shapes,), strict=False)
+                torch._inductor.aoti_compile_and_package(program, package_path=partial)
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        self.built.append(time.perf_counter() - started)
+        return _Package(path)
+
+
+def source_digest(modules: Sequence[object]) -> str:
+    """A digest of the modules' sources: a change to any formula builds new packages."""
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(inspect.getsource(module).encode())
+    return digest.hexdigest()[:16]
