@@ -217,6 +217,7 @@ class DSparkDrafter(nn.Module):
         anchor_positions: torch.Tensor,
         embed: nn.Module,
         head: nn.Module,
+        run_block: Callable | None = None,
     ) -> Draft:
         """The parallel pass over one block per request.
 
@@ -225,6 +226,8 @@ class DSparkDrafter(nn.Module):
         [B]; ``embed`` / ``head`` the backbone's embedding and output head. Entries at or
         after the anchor's position, or more than ``sliding_window`` before it, are ignored.
         Differentiable (training); inference callers run it under ``no_grad``.
+        ``run_block`` (inference): runs a layer in place of ``block(streams, pre, attend)``
+        over the flat [B * K] tokens (:class:`model.runtime.compiled.CompiledBlocks`).
         """
         if len(entries) != len(self.mtp):
             raise ValueError(f"{len(entries)} entry tensors for {len(self.mtp)} drafter layers")
@@ -246,7 +249,14 @@ class DSparkDrafter(nn.Module):
                 keys = torch.cat((context.to(h.dtype), _window_entries(block, h, cos, sin)), dim=1)
                 return block.attn.output(block.attn.attend(q, keys, mask), cos, sin)
 
-            streams, pre = block(streams, pre, attend)
+            if run_block is None:
+                streams, pre = block(streams, pre, attend)
+            else:
+                def flat_attend(h, attend=attend):
+                    return attend(h.unflatten(0, (-1, k))).flatten(0, 1)
+
+                streams, pre = (t.unflatten(0, (-1, k)) for t in run_block(block, streams.flatten(0, 1),
+                                                                            pre.flatten(0, 1), flat_attend))
         hidden = mhc.collapse(streams, pre).float()
         logits = head(self.mtp[-1].norm(hidden).to(head.weight.dtype)).float()
         return Draft(hidden=hidden, logits=logits)

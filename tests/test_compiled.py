@@ -8,6 +8,7 @@ golden checkpoint (trained weights: no near-ties for rounding to flip).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -129,3 +130,34 @@ def test_compiled_step_is_an_app_setting_the_decoder_pool_warms_at_start(golden_
     decoder.engine.decode([(cache, [43]) for cache in caches])
     decoder.engine.decode([(caches[1], list(range(100, 120)))])  # the MoE's other form
     assert [len(function._variants) for function in functions] == variants  # built at start, not by requests
+
+
+def test_the_drafter_runs_compiled_and_drafts_as_the_eager_one(engines, golden_model):
+    """A DSpark drafter bound to the compiled engine runs its layers through the
+    compiled functions (its experts stacked like the backbone's) and proposes the
+    same guesses as bound to the eager engine, its logits within the golden tolerance."""
+    from model.dspark import DSparkDrafter
+    from model.runtime.sampling import SamplingParams
+    from model.runtime.speculative import SpeculativeDrafter
+    from model.training import init_module
+
+    config, _ = golden_model  # (the golden checkpoint has no drafter layer: one, random)
+    module = init_module(DSparkDrafter(dataclasses.replace(config.text, num_nextn_predict_layers=1)), seed=1,
+                         std=0.08).eval()
+    generator = torch.Generator().manual_seed(3)
+    requests = 3
+    features = [torch.randn(module.window, len(config.text.dspark_target_layer_ids), config.text.hc_mult,
+                            config.text.hidden_size, generator=generator) for _ in range(requests)]
+    positions = [torch.arange(40 + i, 40 + i + module.window) for i in range(requests)]
+    proposals = []
+    for engine in engines:
+        drafter = SpeculativeDrafter(module, engine)
+        contexts = drafter.extend([None] * requests, features, positions)
+        proposals.append(drafter.propose(contexts, [11, 12, 13], [SamplingParams(temperature=0.0)] * requests,
+                                         [None] * requests).proposal)
+    after = engines[1].compiled.functions["after"]
+    assert any(variant[0] == module.mtp[0].plan.index for variant in after._variants)  # it ran compiled
+    eager, compiled = proposals
+    assert torch.equal(eager.tokens, compiled.tokens)
+    assert (eager.logits - compiled.logits).abs().max() < 1e-4
+    assert (eager.confidence - compiled.confidence).abs().max() < 1e-4

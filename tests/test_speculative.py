@@ -342,6 +342,24 @@ def test_scheduler_early_stop_does_not_look_past_a_dip():
     assert schedule(survival, StepCost(table)) == [0]  # 1.5 / 1.9 < 1 / 1.0: stop at once
 
 
+def test_the_scheduler_pays_for_the_padding_of_the_longest_verify():
+    """Two requests, the first's guesses sure, the second's hopeless. Per token alone
+    the first's guesses pay; when each slot padded in the other request costs twice a
+    step's rise per token, extending one request alone no longer pays. When both are
+    sure, the first guess pads the other and does not pay, the second's fill it and
+    do: the search goes past that dip (an early stop would verify nothing)."""
+    table = {(2, t): 1.0 + 0.1 * 2 * t for t in range(1, 5)}
+    one_sided = torch.tensor([[0.95, 0.9, 0.85], [0.05, 0.0, 0.0]])
+    assert schedule(one_sided, StepCost(table)) == [3, 0]
+    padded = StepCost(table, padding={2: 2.0})
+    # 5 tokens: 2.5 each, between the table's t = 2 and 3; 2 x 4 - 5 = 3 padded slots
+    assert math.isclose(padded.seconds_per_step(2, 5, longest=4), (table[(2, 2)] + table[(2, 3)]) / 2 + 2.0 * 3)
+    assert padded.seconds_per_step(2, 8, longest=4) == StepCost(table).seconds_per_step(2, 8)  # nothing padded
+    assert schedule(one_sided, padded) == [0, 0]
+    both = torch.tensor([[0.95, 0.9, 0.85], [0.95, 0.9, 0.85]])
+    assert schedule(both, padded) == [3, 3]
+
+
 def test_scheduler_never_admits_zero_survival():
     assert schedule(torch.tensor([[0.9, 0.0], [0.0, 0.0]]), _flat_cost(2)) == [1, 0]
 
@@ -388,6 +406,7 @@ def test_profiled_cost_has_every_point(tiny):
                             context=40, pairs=2)
     assert set(cost.seconds) == set(itertools.product((1, 2), (1, 2, 3)))
     assert all(s > 0 for s in cost.seconds.values())
+    assert set(cost.padding) == {2} and cost.padding[2] >= 0  # measured where there are others to pad
     assert cost.seconds_per_step(2, 6) >= cost.seconds_per_step(2, 2)
 
 

@@ -27,10 +27,12 @@ No shape in the MoE here depends on the routing. With fewer routed slots (tokens
 ``k``) than experts it gathers each token's ``k`` experts' weights ([N, k, inter,
 hidden]) and contracts them; with more, every expert runs on every token and the
 experts a token was not routed to weigh 0 (each expert's weights read once, not once
-per slot). Both are forms for the few tokens of a decode step (``max_tokens``), not
-for a prefill, which keeps the eager block. The experts' weights are stacked once per
-layer ([E, inter, hidden]) and the experts' parameters re-seated as views of the stack
-(one copy, and a weight loaded later into a parameter lands in the stack too).
+per slot: three matrix products over the experts side by side). Both are forms for
+the few tokens of a decode or verify step (``max_tokens``: 16 requests verifying 7
+guesses each), not for a long prefill, which keeps the eager block. The experts'
+weights are stacked once per layer (w1 and w3 [E, inter, hidden], w2 [hidden, E,
+inter]) and the experts' parameters re-seated as views of the stacks (one copy, and a
+weight loaded later into a parameter lands in the stack too).
 
 The eager :class:`model.transformer.Block` stays the oracle: the two paths compute
 the same formulas, but fused reductions and the gathered experts add in a different
@@ -45,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from model import attention, formats, mhc, moe, norm
 from model.attention import CSA2Attention
@@ -74,18 +77,20 @@ def _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, ba
     weights, indices = route(x, router_weight, router_bias.float(), top_k, scoring_func, gate_temp, norm_topk_prob,
                              scaling)
     shared = expert(x, shared_w1, shared_w3, shared_w2, limit).float()
-    if x.shape[0] * top_k < w1.shape[0]:  # few tokens: each token's k experts, gathered
+    experts, inter = w1.shape[0], w1.shape[1]
+    if x.shape[0] * top_k < experts:  # few tokens: each token's k experts, gathered
         gate = torch.einsum("nd,nkid->nki", x, w1[indices]).float()
         up = torch.einsum("nd,nkid->nki", x, w3[indices]).float()
         hidden = swiglu(gate, up, limit, weights.unsqueeze(-1)).to(x.dtype)
-        routed = torch.einsum("nki,nkdi->nd", hidden, w2[indices]).float()
-    else:  # as many routed slots as experts: every expert on every token, the unrouted weighted 0
-        dense = torch.zeros(x.shape[0], w1.shape[0], dtype=weights.dtype, device=x.device)
+        routed = torch.einsum("nki,nkdi->nd", hidden, w2.transpose(0, 1)[indices]).float()
+    else:  # as many routed slots as experts: every expert on every token, the unrouted weighted 0,
+        # as three matrix products over the experts side by side ([E * inter, D] and [D, E * inter])
+        dense = torch.zeros(x.shape[0], experts, dtype=weights.dtype, device=x.device)
         dense = dense.scatter(1, indices, weights)
-        gate = torch.einsum("nd,eid->nei", x, w1).float()
-        up = torch.einsum("nd,eid->nei", x, w3).float()
+        gate = F.linear(x, w1.flatten(0, 1)).unflatten(-1, (experts, inter)).float()
+        up = F.linear(x, w3.flatten(0, 1)).unflatten(-1, (experts, inter)).float()
         hidden = swiglu(gate, up, limit, dense.unsqueeze(-1)).to(x.dtype)
-        routed = torch.einsum("nei,edi->nd", hidden, w2).float()
+        routed = F.linear(hidden.flatten(1), w2.flatten(1)).float()
     return mhc.expand((routed + shared).to(x.dtype), streams, ffn_post, ffn_comb), ffn_pre
 
 
@@ -124,13 +129,14 @@ def _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_
 
 
 def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[E, out, in] stacks of the routed experts' w1, w3, w2; each expert's parameter
-    becomes a view of its stack."""
+    """The routed experts' weights stacked: w1 and w3 [E, inter, hidden], w2 [hidden, E,
+    inter] (so that all experts side by side are a [hidden, E * inter] matrix, no copy);
+    each expert's parameter becomes a view of its stack."""
     stacks = []
-    for name in ("w1", "w3", "w2"):
-        stack = torch.stack([getattr(module, name).weight.detach() for module in moe.experts])
+    for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+        stack = torch.stack([getattr(module, name).weight.detach() for module in moe.experts], dim=dim)
         for index, module in enumerate(moe.experts):
-            getattr(module, name).weight.data = stack[index]
+            getattr(module, name).weight.data = stack.select(dim, index)
         stacks.append(stack)
     return tuple(stacks)
 
@@ -147,7 +153,7 @@ class CompiledBlocks:
     """Runs a model's blocks with the compiled functions (see the module docstring),
     for steps of at most ``max_tokens`` tokens without images."""
 
-    def __init__(self, model: Transformer, max_tokens: int = 64, mode: str = "aot", backend: str = "inductor",
+    def __init__(self, model: Transformer, max_tokens: int = 128, mode: str = "aot", backend: str = "inductor",
                  cache_dir: Path | None = None) -> None:
         """``mode``: ``"aot"`` builds each function with AOTInductor, once per signature,
         kept under ``cache_dir`` (:mod:`model.runtime.aot`; default
@@ -179,7 +185,12 @@ class CompiledBlocks:
         config = model.config
         self._mhc = (config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
         self._weights: dict[int, tuple] = {}
-        for block in model.layers:
+        self.add_blocks(model.layers)
+
+    def add_blocks(self, blocks) -> None:
+        """Make ``blocks`` runnable here (the model's at construction; a DSpark drafter's
+        layers later): their routed experts stacked, their weights gathered per call."""
+        for block in blocks:
             ffn, gate = block.ffn, block.ffn.gate
             w1, w3, w2 = _stack_experts(ffn)
             self._weights[block.plan.index] = (
@@ -204,9 +215,9 @@ class CompiledBlocks:
         index = (None, None, 0) if indexer is None else (indexer.wq_b.weight, indexer.weights_proj.weight,
                                                           indexer.n_heads)
         q, q_residual, rows, values, index_query = self._attention_in(
-            id(attn), lambda: self._attention_in_dims, x, cos, sin, attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight, attn.wkv.weight,
-            attn.kv_norm.weight, attn.n_heads, attn.q_norm.eps, window.fmt if blocked else None, window.payload,
-            *index)
+            id(attn), lambda: self._attention_in_dims, x, cos, sin, attn.wq_a.weight, attn.q_norm.weight,
+            attn.wq_b.weight, attn.wkv.weight, attn.kv_norm.weight, attn.n_heads, attn.q_norm.eps,
+            window.fmt if blocked else None, window.payload, *index)
         return (q, q_residual, *((rows, values) if blocked else window.encode(rows)), index_query)
 
     def pool_groups(self, attn: CSA2Attention, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -231,8 +242,8 @@ class CompiledBlocks:
     def attention_out(self, attn: CSA2Attention, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Attention of each token over its keys [N, T, hd] (mask [N, T]), projected: [N, D]."""
-        return self._attention_out(id(attn), lambda: self._attention_out_dims, q, keys, mask, cos, sin, attn.attn_sink, attn.wo_a.weight, attn.wo_b.weight,
-                                   attn.scaling, attn.o_groups)
+        return self._attention_out(id(attn), lambda: self._attention_out_dims, q, keys, mask, cos, sin,
+                                   attn.attn_sink, attn.wo_a.weight, attn.wo_b.weight, attn.scaling, attn.o_groups)
 
     def __call__(self, block: Block, streams: torch.Tensor, pre: torch.Tensor,
                  attend: Callable[[torch.Tensor], torch.Tensor], engram_rows: torch.Tensor | None = None):
@@ -240,10 +251,13 @@ class CompiledBlocks:
         if block.engram is not None:
             streams = block.engram(streams, engram_rows, None)
         before, after, routing = self._weights[block.plan.index]
-        x, attn_pre, attn_post, attn_comb = self._before(0, lambda: self._token_dims, streams, pre, *before, *self._mhc)
+        index = block.plan.index
+        x, attn_pre, attn_post, attn_comb = self._before(index, lambda: self._token_dims, streams, pre, *before,
+                                                         *self._mhc)
         out = attend(x)
-        gathered = out.shape[0] * routing[0] < after[6].shape[0]  # the MoE's form (see _after_attention)
-        return self._after((block.plan.index, gathered), lambda: self._moe_dims(gathered, routing[0], after[6].shape[0]),
+        experts = after[6].shape[0]
+        gathered = out.shape[0] * routing[0] < experts  # the MoE's form (see _after_attention)
+        return self._after((index, gathered), lambda: self._moe_dims(gathered, routing[0], experts),
                            out, streams, attn_pre, attn_post, attn_comb, *after, *self._mhc, *routing)
 
     def _moe_dims(self, gathered: bool, top_k: int, experts: int) -> aot.Dims:

@@ -81,6 +81,8 @@ class SpeculativeDrafter:
         self.block_size = drafter.block_size
         self.window = drafter.window
         self.calibration = calibration or Calibration.identity(self.block_size)
+        if engine.compiled is not None:  # the drafter's layers run compiled too
+            engine.compiled.add_blocks(drafter.mtp)
 
     def tap(self) -> Tap:
         return Tap(self.targets)
@@ -136,7 +138,10 @@ class SpeculativeDrafter:
             entry_pos[i] = anchor_pos[i]
             entry_pos[i, : len(c.positions)] = c.positions
         anchor_ids = torch.tensor(list(anchors), dtype=torch.long, device=device)
-        draft = self.drafter.draft(entries, entry_pos, anchor_ids, anchor_pos, self.model.embed, self.model.lm_head)
+        compiled = self.engine.compiled
+        run_block = compiled if compiled is not None and compiled.handles(len(contexts) * self.block_size) else None
+        draft = self.drafter.draft(entries, entry_pos, anchor_ids, anchor_pos, self.model.embed, self.model.lm_head,
+                                   run_block)
         sampled = [not p.greedy for p in params]
         q: list[torch.Tensor] = []
 
@@ -342,12 +347,21 @@ class StepCost:
     t - 1 guesses), draft pass included. :meth:`sps` reads steps per second at R
     requests and B batch tokens, linear between table points (and beyond the largest
     R, proportional to R).
+
+    ``padding[R]``: seconds per padded slot at R requests. A step whose requests verify
+    different counts lays its tokens out [R, longest] to read the caches once over the
+    batch, so each shorter request's tail is computed on and dropped: such a step costs
+    the table's time for its tokens plus ``padding[R]`` per slot of ``R * longest -
+    tokens`` (measured on configs/small's compiled step at R = 16: a padded slot costs
+    about a third of a token, and one request verifying 6 among fifteen verifying 1 made
+    the step 15% slower than its token count says).
     """
 
-    def __init__(self, seconds: dict[tuple[int, int], float]):
+    def __init__(self, seconds: dict[tuple[int, int], float], padding: dict[int, float] | None = None):
         if not seconds:
             raise ValueError("an empty step-cost table")
         self.seconds = dict(seconds)
+        self.padding = dict(padding or {})
         self.requests = sorted({r for r, _ in seconds})
         # The t points of each R, sorted once: the scheduler reads the table ~R*K times a step.
         self._ts = {r: sorted(t for rr, t in seconds if rr == r) for r in self.requests}
@@ -364,7 +378,24 @@ class StepCost:
         w = (t - lo) / (hi - lo)
         return (1 - w) * self.seconds[(r, lo)] + w * self.seconds[(r, hi)]
 
-    def seconds_per_step(self, requests: int, tokens: int) -> float:
+    def seconds_per_step(self, requests: int, tokens: int, longest: int | None = None) -> float:
+        """One step of ``requests`` requests verifying ``tokens`` in all, the longest
+        ``longest`` of them (None: as many each)."""
+        base = self._per_token(requests, tokens)
+        if longest is None or not self.padding:
+            return base
+        return base + self._padding_rate(requests) * max(0, requests * longest - tokens)
+
+    def _padding_rate(self, requests: int) -> float:
+        rs = sorted(self.padding)
+        if requests <= rs[0] or requests >= rs[-1]:
+            return self.padding[rs[0] if requests <= rs[0] else rs[-1]]
+        i = bisect.bisect_left(rs, requests)
+        lo, hi = rs[i - 1], rs[i]
+        w = (requests - lo) / (hi - lo)
+        return (1 - w) * self.padding[lo] + w * self.padding[hi]
+
+    def _per_token(self, requests: int, tokens: int) -> float:
         t = tokens / requests
         rs = self.requests
         if requests >= rs[-1]:
@@ -379,12 +410,14 @@ class StepCost:
         w = (requests - lo) / (hi - lo)
         return (1 - w) * self._at(lo, t) + w * self._at(hi, t)
 
-    def sps(self, requests: int, tokens: int) -> float:
-        """Steps per second with ``requests`` requests and ``tokens`` batch tokens."""
-        return 1.0 / self.seconds_per_step(requests, tokens)
+    def sps(self, requests: int, tokens: int, longest: int | None = None) -> float:
+        """Steps per second with ``requests`` requests and ``tokens`` batch tokens (the
+        longest request's ``longest``)."""
+        return 1.0 / self.seconds_per_step(requests, tokens, longest)
 
     def to_dict(self) -> dict:
-        return {f"{r}x{t}": round(s, 6) for (r, t), s in sorted(self.seconds.items())}
+        return {**{f"{r}x{t}": round(s, 6) for (r, t), s in sorted(self.seconds.items())},
+                **{f"padding@{r}": round(s, 7) for r, s in sorted(self.padding.items())}}
 
     @classmethod
     def profile(cls, engine: Engine, drafter: SpeculativeDrafter | None, requests: Sequence[int] = (1, 2, 4, 8, 16),
@@ -400,9 +433,12 @@ class StepCost:
         more than verifying six tokens instead of one costs (~10%); a line fitted
         through per-t medians moved between 0 and +45% from profile to profile, the
         paired difference by a few %. The alternating order cancels a machine that
-        drifts while it profiles."""
+        drifts while it profiles. For R > 1 each pair is followed by a pair of the one-token
+        step and a step where one request verifies ``max_tokens`` and the others one:
+        its median difference, less that request's share of the rise, per padded slot,
+        is ``padding[R]``."""
         generator = torch.Generator().manual_seed(seed)
-        seconds = {}
+        seconds, padding = {}, {}
         for r in requests:
             caches = [synthetic_cache(engine, context, generator) for _ in range(r)]
             contexts = None
@@ -413,26 +449,37 @@ class StepCost:
                 contexts = drafter.extend([None] * r, feats, pos)
             greedy = [SamplingParams(temperature=0.0)] * r
 
-            def step(t: int) -> float:
+            def step(t: int, skewed: bool = False) -> float:
                 start = time.perf_counter()
                 if contexts is not None:
                     drafter.propose(contexts, [5] * r, greedy, [None] * r)
-                _, rewinds = engine.verify([(c, [5] * t) for c in caches])
+                counts = [t if i == 0 or not skewed else 1 for i in range(r)]
+                _, rewinds = engine.verify([(c, [5] * n) for c, n in zip(caches, counts)])
                 for c, rw in zip(caches, rewinds):
                     engine.accept(c, rw, 1)  # the context grows by one token a step
                 return time.perf_counter() - start
 
             step(max_tokens)  # warm-up
-            ones, rises = [], []
+            ones, rises, skews = [], [], []
             for first, second in pair_order(max_tokens, pairs):
                 times = {first: step(first)}
                 times[second] = step(second)
                 ones.append(times[1])
                 rises.append(times[max_tokens] - times[1])
+                if r > 1:  # one request verifying max_tokens, the others 1 (the most padding), paired
+                    if len(skews) % 2:
+                        one = step(1)
+                        skews.append(step(max_tokens, skewed=True) - one)
+                    else:
+                        skewed = step(max_tokens, skewed=True)
+                        skews.append(skewed - step(1))
             base, rise = statistics.median(ones), max(0.0, statistics.median(rises))
             span = max(1, max_tokens - 1)
             seconds.update({(r, t): base + rise * (t - 1) / span for t in range(1, max_tokens + 1)})
-        return cls(seconds)
+            if skews:  # what the skewed step costs past its tokens' share of the rise, per padded slot
+                tokens_rise = rise * (max_tokens - 1) / (span * r)
+                padding[r] = max(0.0, statistics.median(skews) - tokens_rise) / ((r - 1) * (max_tokens - 1))
+        return cls(seconds, padding)
 
 
 def pair_order(max_tokens: int, pairs: int) -> list[tuple[int, int]]:
@@ -465,25 +512,36 @@ def schedule(survival: torch.Tensor, cost: StepCost) -> list[int]:
     descending a (ties: earlier j first, so a request's prefix is admitted in order);
     each admission adds one batch token and a_{r,j} expected tokens; the first admission
     that does not raise tau * SPS(R, B) stops the search. Returns verify lengths l_r.
+
+    With a padding cost (:class:`StepCost`), SPS also counts the slots the longest
+    verify pads in every other request. Then the first admission at a new depth pays
+    for a whole layer of padding that the admissions after it fill for the price of
+    their tokens alone, so throughput along the order dips and rises again; the early
+    stop would end at the first dip (measured: at batch 16 it verified nothing in 63%
+    of the slots and lost 16% to a fixed k). There the search runs the whole order and
+    returns its best prefix.
     """
     r_count, k = survival.shape
     a = survival.double().tolist()
     order = sorted(((a[r][j], j, r) for r in range(r_count) for j in range(k) if a[r][j] > 0),
                    key=lambda item: (-item[0], item[1], item[2]))
     lengths = [0] * r_count
-    tokens, expected = r_count, float(r_count)
-    best = expected * cost.sps(r_count, tokens)
+    tokens, expected, longest = r_count, float(r_count), 1
+    best, best_lengths = expected * cost.sps(r_count, tokens, longest), list(lengths)
+    whole = bool(cost.padding)
     for value, j, r in order:
         if j != lengths[r]:  # a later guess before an earlier one: only ties could do this
             break
         tokens += 1
         expected += value
-        throughput = expected * cost.sps(r_count, tokens)
-        if throughput <= best:
-            break
-        best = throughput
+        longest = max(longest, j + 2)  # its verify length: the anchor and j + 1 guesses
         lengths[r] = j + 1
-    return lengths
+        throughput = expected * cost.sps(r_count, tokens, longest)
+        if throughput > best:
+            best, best_lengths = throughput, list(lengths)
+        elif not whole:
+            break
+    return best_lengths
 
 
 # ---------------------------------------------------------------------- metrics
