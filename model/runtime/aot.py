@@ -5,8 +5,9 @@ kernels run (dynamo's guards, the AOT autograd wrapper, the generated Python tha
 allocates the outputs); a decode step on a small model makes 40 such calls, so that
 overhead, not the kernels, is most of the compiled step. AOTInductor compiles the same
 inductor kernels with a C++ wrapper into a shared library (a ``.pt2`` package): a call
-checks the input shapes against the exported ranges and runs, with no guards and no
-Python in between.
+hands the tensors to that wrapper and its kernels run, with no guards and no Python in
+between. Nothing checks a call against the shapes it was built for, so the caller keys
+each call by variant (below), and inputs are made contiguous (see :meth:`AotFunction._prepare`).
 
 An :class:`AotFunction` wraps one Python function. It is called with a *variant* key
 (which the caller knows: a layer and an MoE form) and the function's arguments; the
@@ -113,7 +114,7 @@ class AotFunction:
 
     def __init__(self, fn: Callable, cache_dir: Path, source_digest: str) -> None:
         self.fn, self.cache_dir, self.source_digest = fn, cache_dir, source_digest
-        self._variants: dict[object, tuple[Callable, list[int]]] = {}
+        self._variants: dict[object, tuple[Callable, list[int], frozenset[int]]] = {}
         self._runners: dict[Path, Callable] = {}  # one loaded package per signature
         self.built: list[float] = []  # seconds each package this process built took
 

@@ -20,7 +20,7 @@ package kept on disk (:mod:`model.runtime.aot`), one per signature: a call then 
 ~40-140 us at batch 1 instead of ~120-330 us through ``torch.compile``, whose guards
 and Python wrapper run on every call. Packages are built by the first call of each
 variant, which :meth:`~model.runtime.engine.Engine.warm_compiled` makes at replica
-start: ~2 minutes for configs/small's 8 packages, ~2 s to load them afterwards.
+start: ~2.5 minutes for configs/small's 8 packages, 2-5 s to load them afterwards.
 ``mode="jit"`` keeps ``torch.compile``.
 
 No shape in the MoE here depends on the routing. With fewer routed slots (tokens x
@@ -167,8 +167,8 @@ class CompiledBlocks:
                      "attention_out": _attention_out, "pool_groups": _pool_groups}
         if mode == "aot":
             digest = aot.source_digest([sys.modules[__name__], attention, mhc, moe, norm, formats, cache])
-            self.functions: dict[str, Callable] = {name: aot.AotFunction(fn, self.cache_dir, digest)
-                              for name, fn in functions.items()}
+            self.functions: dict[str, Callable] = {
+                name: aot.AotFunction(fn, self.cache_dir, digest) for name, fn in functions.items()}
         else:
             self.functions = {name: _jit(torch.compile(fn, dynamic=True, fullgraph=True, backend=backend))
                               for name, fn in functions.items()}
@@ -262,6 +262,6 @@ class CompiledBlocks:
 
     def _moe_dims(self, gathered: bool, top_k: int, experts: int) -> aot.Dims:
         """The token count's range of one MoE form: fewer routed slots than experts, or not."""
-        few = -(-experts // top_k) - 1  # the most tokens whose slots are fewer than the experts
+        few = min(-(-experts // top_k) - 1, self.max_tokens)  # the most tokens with fewer slots than experts
         tokens = aot.Dynamic("n", 1, few) if gathered else aot.Dynamic("n", few + 1, self.max_tokens)
         return {i: {0: tokens} for i in range(5)}

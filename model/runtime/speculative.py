@@ -471,8 +471,8 @@ class StepCost:
                         one = step(1)
                         skews.append(step(max_tokens, skewed=True) - one)
                     else:
-                        skewed = step(max_tokens, skewed=True)
-                        skews.append(skewed - step(1))
+                        lopsided = step(max_tokens, skewed=True)
+                        skews.append(lopsided - step(1))
             base, rise = statistics.median(ones), max(0.0, statistics.median(rises))
             span = max(1, max_tokens - 1)
             seconds.update({(r, t): base + rise * (t - 1) / span for t in range(1, max_tokens + 1)})
