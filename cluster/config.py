@@ -77,8 +77,8 @@ class AppConfig(BaseModel):
     chunk_tokens: PositiveInt = 64
     exact_replay: bool = False
     # The decoder pool runs each layer's per-token work compiled (AOTInductor; model/
-    # runtime/compiled.py): built when a replica first starts (~2 min on configs/small,
-    # kept in ~/.cache/v41/aot for the next start: ~2 s), decode steps x3-4 faster at
+    # runtime/compiled.py): built when a replica first starts (~2.5 min on configs/small,
+    # kept in ~/.cache/v41/aot for the next start: a few s), decode steps x3-4 faster at
     # batch 1; needs a C++ compiler; see docs/performance.md.
     compiled_step: bool = False
     decoder_parallel: ParallelConfig = ParallelConfig()

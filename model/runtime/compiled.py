@@ -177,7 +177,6 @@ class CompiledBlocks:
         self._pool_groups = self.functions["pool_groups"]
         tokens = aot.Dynamic("n", 1, max_tokens)
         self._token_dims = {i: {0: tokens} for i in range(2)}
-        self._groups = aot.Dynamic("b", 1, max_tokens)
         self._attention_in_dims = {0: {0: tokens}, 1: {1: tokens}, 2: {1: tokens}}
         keys = aot.Dynamic("t", 1, 1 << 24)
         self._attention_out_dims = {0: {1: tokens}, 1: {0: tokens, 1: keys}, 2: {0: tokens, 1: keys},
@@ -228,11 +227,8 @@ class CompiledBlocks:
         compressor, indexer = attn.compressor, attn.indexer
         formats = [(rows.fmt, rows.payload) if isinstance(rows.fmt, BlockFormat) else (None, 0)
                    for rows in (entries, keys)]
-        ratio = compressor.ratio
-        groups = aot.Dynamic("g", 1, self.max_tokens)
         entry_rows, key_rows = self._pool_groups(
-            id(attn), lambda: {0: {0: self._groups, 1: aot.Dynamic("g", 1, self.max_tokens, ratio)},
-                               1: {0: self._groups, 1: groups}, 2: {0: self._groups, 1: groups}},
+            id(attn), lambda: self._pool_dims(compressor.ratio),
             rows, cos, sin, compressor.wkv.weight, None if compressor.wgate is None else compressor.wgate.weight,
             compressor.norm.weight, compressor.ratio, compressor.norm.eps, indexer.wk.weight, indexer.k_norm.weight,
             indexer.k_norm.eps, *formats[0], *formats[1])
@@ -259,6 +255,12 @@ class CompiledBlocks:
         gathered = out.shape[0] * routing[0] < experts  # the MoE's form (see _after_attention)
         return self._after((index, gathered), lambda: self._moe_dims(gathered, routing[0], experts),
                            out, streams, attn_pre, attn_post, attn_comb, *after, *self._mhc, *routing)
+
+    def _pool_dims(self, ratio: int) -> aot.Dims:
+        """Pooling's rows [B, G * ratio, D] and cos / sin [B, G, rd]: B and G dynamic."""
+        sequences, groups = aot.Dynamic("b", 1, self.max_tokens), aot.Dynamic("g", 1, self.max_tokens)
+        return {0: {0: sequences, 1: aot.Dynamic("g", 1, self.max_tokens, ratio)},
+                1: {0: sequences, 1: groups}, 2: {0: sequences, 1: groups}}
 
     def _moe_dims(self, gathered: bool, top_k: int, experts: int) -> aot.Dims:
         """The token count's range of one MoE form: fewer routed slots than experts, or not."""
