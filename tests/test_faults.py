@@ -194,7 +194,8 @@ def test_a_stopped_then_killed_redis_degrades_and_heals(app, client):
     os.kill(pid, signal.SIGSTOP)
     try:
         wait_until(lambda: health(url)["status"] == "degraded", 30, "degraded health")
-        assert "redis" in health(url)["problems"][0]
+        problems = health(url)["problems"]
+        assert any(problem.startswith("redis") for problem in problems), problems
         # Without the index the prefill's own store decides: one node still hits.
         assert turn(client, "while Redis hangs")[0] == cached
     finally:
