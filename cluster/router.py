@@ -87,6 +87,7 @@ def parse_server_timing(header: str) -> tuple[dict[str, float], dict[str, str]]:
 
 
 logger = logging.getLogger("ray.serve")
+_NO_REPLICA = "pool: no replica running"  # a /health problem line that makes it 503
 
 
 def _rebind_after_a_crash() -> None:
@@ -222,6 +223,7 @@ class Router:
         self.finished: deque[float] = deque(maxlen=4096)  # when requests ended (time.monotonic), for Retry-After
         self.waiting = 0  # dispatched requests without their first token yet
         self._health: tuple[float, list[str]] | None = None
+        self._pools_ready = False  # every pool has had a replica running (then "starting" is over)
         # Under affinity it chooses the decoder replica (admissions pending per replica).
         self.load = DecoderLoad(lambda: known_replicas(decoder.app_name, decoder.deployment_name)) \
             if config.routing == "affinity" else None
@@ -453,10 +455,17 @@ class Router:
     # ------------------------------------------------------------------ endpoints
     @fastapi_app.get("/health")
     async def health(self):
-        """``{"status": "ok"}``, or ``"degraded"`` with the problems while a part the
-        cache depends on (Redis, a node's store) is down; it serves either way."""
+        """``{"status": "ok"}``; ``"degraded"`` with the problems while a part the cache
+        depends on (Redis, a node's store) is down (it serves either way); ``"starting"``
+        (HTTP 503) while the prefill or decoder pool has no replica running yet (a first
+        start with ``compiled_step`` builds the step's packages for minutes: requests
+        sent then wait for it), and 503 ``"degraded"`` while one has none running later."""
         problems = await self._problems()
-        return JSONResponse({"status": "degraded" if problems else "ok", "problems": problems})
+        waiting = any(_NO_REPLICA in problem for problem in problems)
+        if not waiting:
+            self._pools_ready = True
+        status = ("degraded" if self._pools_ready else "starting") if waiting else "degraded" if problems else "ok"
+        return JSONResponse({"status": status, "problems": problems}, status_code=503 if waiting else 200)
 
     async def check_health(self) -> None:
         """Serve's periodic health check: refreshes the parts' gauges (``v41_redis_up``,
@@ -473,7 +482,7 @@ class Router:
             return self._health[1]
         from actors.health import store_problems
 
-        checks = [store_problems()]
+        checks = [store_problems(), asyncio.to_thread(self._pool_problems)]
         if self.link is not None:
             checks.append(asyncio.to_thread(self._redis_problem))
         found = [problem for problems in await asyncio.gather(*checks) for problem in problems]
@@ -481,6 +490,26 @@ class Router:
         self.metrics.parts(redis_up=not any(p.startswith("redis") for p in found),
                            stores_down=sum(p.startswith("store") for p in found))
         return found
+
+    def _pool_problems(self) -> list[str]:
+        """One line per pool (prefill, decoder) without a replica running, from Serve's
+        controller; none when the controller does not answer (not the pools' problem)."""
+        from ray import serve
+
+        try:
+            deployments = serve.status().applications[self.decoder.app_name].deployments
+        except Exception:  # noqa: BLE001 (a busy or restarting controller)
+            return []
+        problems = []
+        for pool, handle in (("prefill", self.prefill), ("decoder", self.decoder)):
+            overview = deployments.get(handle.deployment_name)
+            if overview is None:
+                continue
+            states = {str(getattr(state, "value", state)): n for state, n in overview.replica_states.items()}
+            if not states.get("RUNNING"):
+                detail = ", ".join(f"{n} {state.lower()}" for state, n in sorted(states.items()) if n) or "none"
+                problems.append(f"{pool} {_NO_REPLICA} ({detail}); requests wait for it")
+        return problems
 
     def _redis_problem(self) -> list[str]:
         try:

@@ -83,8 +83,18 @@ def node_store_actor():
 
 
 def health(url: str) -> dict:
+    """The body of ``/health`` (whatever its status code)."""
+    return health_response(url)[1]
+
+
+def health_response(url: str) -> tuple[int, dict]:
+    """``/health``'s status code and body (503 while a pool has no replica running)."""
     import json
+    import urllib.error
     import urllib.request
 
-    with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())

@@ -23,7 +23,15 @@ import ray
 from ray import serve
 
 from cluster.app import build_app
-from tests.serve_harness import health, node_store_actor, replica_actor_name, running_app, stored_objects, wait_until
+from tests.serve_harness import (
+    health,
+    health_response,
+    node_store_actor,
+    replica_actor_name,
+    running_app,
+    stored_objects,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 MODEL = "deepseek-v4.1-small"
@@ -228,6 +236,13 @@ def _until_answered(client, what: str) -> float:
             time.sleep(0.5)
 
 
+def _pool_down(url: str, pool: str) -> bool:
+    """/health is a 503 "degraded" naming ``pool`` as without a running replica."""
+    code, body = health_response(url)
+    return code == 503 and body["status"] == "degraded" and any(
+        problem.startswith(f"{pool} pool: no replica running") for problem in body["problems"])
+
+
 def _pid_of(title: str) -> int:
     """The process whose title (Ray's ``ray::<actor>``) contains ``title``."""
     import subprocess
@@ -238,8 +253,16 @@ def _pid_of(title: str) -> int:
 
 
 def test_killed_prefill_and_router_replicas_are_replaced(app, client):
+    url = app[0]
+    assert health_response(url)[0] == 200
     ray.kill(ray.get_actor(replica_actor_name("PrefillPool"), namespace="serve"), no_restart=True)
-    print(f"\nprefill replica killed: the next request answered after {_until_answered(client, 'prefill'):.1f} s")
+    killed = time.monotonic()
+    # Until its replacement runs, /health is a 503 naming the pool (a load balancer
+    # holds traffic back); requests sent meanwhile wait for it.
+    wait_until(lambda: _pool_down(url, "prefill"), 30, "a 503 naming the prefill pool")
+    print(f"\nprefill replica killed: /health 503 after {time.monotonic() - killed:.1f} s")
+    print(f"the next request answered after {_until_answered(client, 'prefill'):.1f} s")
+    wait_until(lambda: health_response(url) == (200, {"status": "ok", "problems": []}), 30, "healthy again")
     stream = client.chat.completions.create(model=MODEL, max_tokens=200, temperature=0, stream=True,
                                             messages=[{"role": "user", "content": "import os\n"}])
     chunks = iter(stream)
