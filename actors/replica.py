@@ -92,6 +92,7 @@ class ModelBundle(ModelIdentity):
         path = Path(config.model) / "dspark_calibration.json"
         calibration = Calibration.from_dict(json.loads(path.read_text())) if path.exists() else None
         drafter = SpeculativeDrafter(self.drafter, self.engine, calibration)
+        drafter.warm_compiled()  # (a compiled engine: before the cost table times its steps)
         cost = None
         if config.speculation == "scheduled":
             sizes = sorted({min(1 << i, config.max_batch) for i in range(config.max_batch.bit_length() + 1)})

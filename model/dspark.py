@@ -226,8 +226,9 @@ class DSparkDrafter(nn.Module):
         [B]; ``embed`` / ``head`` the backbone's embedding and output head. Entries at or
         after the anchor's position, or more than ``sliding_window`` before it, are ignored.
         Differentiable (training); inference callers run it under ``no_grad``.
-        ``run_block`` (inference): runs a layer in place of ``block(streams, pre, attend)``
-        over the flat [B * K] tokens (:class:`model.runtime.compiled.CompiledBlocks`).
+        ``run_block`` (inference, a :class:`model.runtime.compiled.CompiledBlocks`): runs
+        each layer in place of ``block(streams, pre, attend)`` over the flat [B * K]
+        tokens, its attention through ``run_block.draft_attention``.
         """
         if len(entries) != len(self.mtp):
             raise ValueError(f"{len(entries)} entry tensors for {len(self.mtp)} drafter layers")
@@ -252,8 +253,9 @@ class DSparkDrafter(nn.Module):
             if run_block is None:
                 streams, pre = block(streams, pre, attend)
             else:
-                def flat_attend(h, attend=attend):
-                    return attend(h.unflatten(0, (-1, k))).flatten(0, 1)
+                def flat_attend(h, block=block, context=context):
+                    return run_block.draft_attention(block.attn, h.unflatten(0, (-1, k)), cos, sin, context,
+                                                     in_window).flatten(0, 1)
 
                 streams, pre = (t.unflatten(0, (-1, k)) for t in run_block(block, streams.flatten(0, 1),
                                                                             pre.flatten(0, 1), flat_attend))

@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if engine.compiled is not None:
         engine.warm_compiled()
     drafter = SpeculativeDrafter(checkpoint.drafter, engine, calibration)
+    drafter.warm_compiled()
     k_max = drafter.block_size
     if any(not 1 <= k <= k_max for k in fixed):
         raise UserError(f"--fixed lengths must be in 1..{k_max}")

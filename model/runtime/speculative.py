@@ -88,6 +88,21 @@ class SpeculativeDrafter:
     def tap(self) -> Tap:
         return Tap(self.targets)
 
+    def warm_compiled(self) -> None:
+        """Build the compiled drafter's packages (its layer for both MoE forms, its
+        attention) with throwaway drafts of one request and of the most the compiled
+        step takes, so that no request pays for it. Nothing without a compiled engine."""
+        compiled = self.engine.compiled
+        if compiled is None:
+            return
+        config = self.engine.config
+        generator = torch.Generator().manual_seed(0)
+        for requests in sorted({1, max(1, compiled.max_tokens // self.block_size)}):
+            features = [torch.randn(self.window, len(self.targets), config.hc_mult, config.hidden_size,
+                                    generator=generator) for _ in range(requests)]
+            contexts = self.extend([None] * requests, features, [torch.arange(self.window)] * requests)
+            self.propose(contexts, [0] * requests, [SamplingParams(temperature=0.0)] * requests, [None] * requests)
+
     @torch.no_grad()
     def extend(self, contexts: Sequence[DraftContext | None], features: Sequence[torch.Tensor],
                positions: Sequence[torch.Tensor]) -> list[DraftContext]:
