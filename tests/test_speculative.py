@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 import statistics
 
 import pytest
@@ -371,64 +370,6 @@ def test_step_cost_interpolates_and_extrapolates_in_requests():
     assert math.isclose(cost.seconds_per_step(4, 8), 3.0)
     assert math.isclose(cost.seconds_per_step(2, 2), (2 / 3) * 1.0 + (1 / 3) * 2.0)
     assert math.isclose(cost.seconds_per_step(8, 8), 4.0)
-
-
-def test_step_cost_learns_the_real_steps_and_the_schedule_follows():
-    """The profile says a guess costs 40% of a one-token step at R = 2; the real steps
-    (a machine where verifying is cheap next to 0.5 s of work per step the profile never
-    saw) say 5%. Fed those steps, the cost converges to them, and the schedule that
-    verified nothing on the profile verifies the first guesses."""
-    table = {(r, t): r * (1.0 + 0.4 * (t - 1)) for r in (1, 2) for t in range(1, 5)}
-    cost = StepCost(table, padding={2: 0.1})
-
-    def real(requests, tokens, longest):
-        return 0.5 + requests * 1.0 + 0.05 * (tokens - requests) + 0.02 * max(0, requests * longest - tokens)
-
-    survival = torch.tensor([[0.3, 0.1, 0.0], [0.25, 0.1, 0.0]])
-    assert schedule(survival, cost) == [0, 0]
-    assert cost.fitted is None and cost.seconds_per_step(2, 4, 2) == cost.profiled().seconds_per_step(2, 4, 2)
-    rng = random.Random(0)
-    for _ in range(400):  # the scheduler's steps: varied requests, counts and padding, 5% noise
-        requests = rng.choice((1, 2))
-        lengths = [rng.randint(0, 3) for _ in range(requests)]
-        tokens, longest = requests + sum(lengths), 1 + max(lengths)
-        cost.observe(requests, tokens, longest, real(requests, tokens, longest) * rng.uniform(0.95, 1.05))
-    for requests, tokens, longest in ((1, 1, 1), (1, 4, 4), (2, 2, 1), (2, 5, 4), (2, 8, 4)):
-        assert math.isclose(cost.seconds_per_step(requests, tokens, longest), real(requests, tokens, longest),
-                            rel_tol=0.05), (requests, tokens, longest)
-    assert cost.fitted["steps"] == 400
-
-    def throughput(lengths):  # expected tokens per real second
-        tokens = 2 + sum(lengths)
-        return (2 + sum(float(survival[r, :n].sum()) for r, n in enumerate(lengths))) / real(2, tokens,
-                                                                                            1 + max(lengths))
-
-    best = max(itertools.product(range(3), repeat=2), key=throughput)
-    assert schedule(survival, cost) == list(best) != [0, 0]
-    assert schedule(survival, cost.profiled()) == [0, 0]  # the profile alone is unchanged
-
-
-def test_step_cost_ignores_impossible_observations():
-    cost = StepCost({(1, 1): 1.0, (1, 2): 2.0})
-    for bad in ((1, 1, 1, float("nan")), (1, 1, 1, 0.0), (1, 1, 1, -1.0), (0, 1, 1, 1.0), (2, 1, 1, 1.0),
-                (1, 2, 2, float("inf"))):
-        cost.observe(*bad)
-    assert cost.fitted is None and cost.seconds_per_step(1, 2) == 2.0
-
-
-def test_the_scheduled_batcher_teaches_its_step_cost(tiny):
-    engine, drafter = tiny
-    cost = StepCost({(r, t): 1.0 + 0.1 * r * t for r in (1, 2) for t in range(1, 6)})
-    spec = Speculation(SpeculativeDrafter(drafter, engine), "scheduled", cost=cost)
-    batcher = Batcher(engine, max_batch=2, speculation=spec)
-    for i, prompt in enumerate([_tokens(40, 8), _tokens(33, 9)]):
-        batcher.add(str(i), SamplingParams(temperature=0.0, max_tokens=6), prompt=prompt)
-    while batcher.running:
-        batcher.step()
-    # Every step taught it (a step here takes milliseconds, the table says seconds: the
-    # base scale learned is far below the prior's 1).
-    assert cost.fitted["steps"] == batcher.metrics.passes > 0
-    assert cost.fitted["base"] < 0.5
 
 
 # ---------------------------------------------------------------------- calibration

@@ -159,7 +159,6 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     cost = StepCost.profile(engine, drafter, requests=sorted({1, *batches}), max_tokens=k_max + 1)
     profile_s = time.perf_counter() - start
-    profiled = cost.profiled()  # the profile alone, frozen: the scheduler's copy learns from its steps
     scheduled = Speculation(drafter, "scheduled", cost=cost)
     prompts = _prompts(tokenizer, max(args.prompts, max(batches)), args.prompt_tokens, args.seed)
 
@@ -197,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         tokens = {name: 0 for name in modes}
         lengths[batch] = {}
         for round_ in range(args.repeats):
-            runs = lockstep(engine, prompts[:batch], args.batch_tokens, modes, profiled, seed=args.seed + round_)
+            runs = lockstep(engine, prompts[:batch], args.batch_tokens, modes, cost, seed=args.seed + round_)
             rounds.append({name: run.timing for name, run in runs.items()})
             for name, run in runs.items():
                 tokens[name] += run.tokens
@@ -242,10 +241,6 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"batch {b}: {table[b][control] / table[b][f'k={max(fixed)}']:.3f}" for b in batches))
     print("scheduled verify lengths: " + "; ".join(f"batch {b}: {lengths[b]}" for b in batches))
     print(f"every mode's outputs equal plain decoding's: {batch_equal}")
-    fitted = cost.fitted or {}
-    print("step cost as learned from the scheduler's steps (the profile's one-token step, guesses and padding, "
-          "each scaled; per request and per step, unseen by the profile): "
-          + ", ".join(f"{name} {value:g}" for name, value in fitted.items()))
     result = {
         "checkpoint": str(args.checkpoint),
         "calibrated": calibration is not None,
@@ -266,7 +261,6 @@ def run(args: argparse.Namespace) -> int:
         "scheduled_verify_lengths": {str(b): lengths[b] for b in batches},
         "control_over_same_k": {str(b): round(table[b][control] / table[b][f"k={max(fixed)}"], 4) for b in batches},
         "step_cost_s": cost.to_dict(),
-        "step_cost_fitted": fitted,
     }
     if 16 in best_ratio:
         result["scheduler_over_best_fixed_k_batch16"] = round(best_ratio[16], 4)

@@ -20,7 +20,6 @@ The batcher knows nothing of Ray or HTTP: the decoder actor drives it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -136,7 +135,6 @@ class Batcher:
         return [self._emit(r, out[-1:]) for r, out in zip(batch, logits)]
 
     def _speculative_step(self, batch: list[Sequence]) -> list[TokenEvent]:
-        started = time.perf_counter()
         spec = self.speculation
         drafter = spec.drafter
         params = [r.params for r in batch]
@@ -188,8 +186,6 @@ class Batcher:
             for (r, _, _), context in zip(extend, contexts):
                 r.context = context
         self._count(len(batch), lengths, accepted, emitted)
-        if spec.mode == "scheduled":  # the table learns what this machine's real steps cost
-            spec.cost.observe(len(batch), len(batch) + sum(lengths), 1 + max(lengths), time.perf_counter() - started)
         for r in finished:
             self._finish(r)
         return events

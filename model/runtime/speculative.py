@@ -11,8 +11,7 @@ One speculative step for a batch of requests (:class:`model.runtime.batcher.Batc
    per position by temperature (:class:`Calibration`).
 2. **Schedule** (:func:`schedule`): how many guesses of each request to verify.
    ``"scheduled"`` is Algorithm 1 of the DSpark paper with its early stop, on the
-   steps-per-second table :class:`StepCost` profiled when the decoder starts and
-   refitted to the real steps as they run;
+   steps-per-second table :class:`StepCost` profiled when the decoder starts;
    ``"fixed"`` verifies k guesses of every request; ``"off"`` decodes plainly.
 3. **Verify**: one backbone pass (:meth:`model.runtime.engine.Engine.verify`) over every
    request's ``[anchor, admitted guesses]``; the engine's causal attention handles
@@ -369,34 +368,14 @@ class StepCost:
     batch, so each shorter request's tail is computed on and dropped: such a step costs
     the table's time for its tokens plus ``padding[R]`` per slot of ``R * longest -
     tokens`` (measured on configs/small's compiled step at R = 16: a padded slot costs
-    about a third of a token, and one request verifying 6 among fifteen verifying 1 made
-    the step 15% slower than its token count says).
-
-    **Learned from the real steps** (:meth:`observe`). The profile times the draft,
-    verify and rollback on synthetic caches; a real step also samples, accepts, extends
-    the drafter contexts, and runs on the workload's own caches (their windows and
-    long-range entries set what a verified token costs). The batcher hands every
-    scheduled step's wall time to :meth:`observe`, and the cost it reads becomes
-    ``a * base(R) + b * guesses(R, g) + c * padding(R, p) + d * R + e``: the profile's
-    three parts, each scaled by what the real steps say, plus the per-request and
-    per-step work the profile does not see. One fit over every R (a batch drains one
-    request at a time, so few steps share an R): a ridge regression on relative errors
-    whose prior is the profile (a = b = c = 1, d = e = 0) and keeps its weight, while a
-    step's weight decays by ``forget`` per later step, so it follows a machine whose
-    speed drifts. (Measured on configs/small at R = 16, 64-token prompts grown to ~300:
-    the real steps confirmed the profile, scales 0.96 / 0.91 / 0.88 after 20 steps.)
+    about half a token in a batch of mixed lengths; see :meth:`profile`).
     """
 
-    def __init__(self, seconds: dict[tuple[int, int], float], padding: dict[int, float] | None = None,
-                 forget: float = 0.98, noise: float = 0.15):
+    def __init__(self, seconds: dict[tuple[int, int], float], padding: dict[int, float] | None = None):
         if not seconds:
             raise ValueError("an empty step-cost table")
-        if not 0.0 < forget <= 1.0:
-            raise ValueError(f"forget must be in (0, 1], got {forget}")
         self.seconds = dict(seconds)
         self.padding = dict(padding or {})
-        self.forget, self.noise = forget, noise
-        self._fit: _StepFit | None = None
         self.requests = sorted({r for r, _ in seconds})
         # The t points of each R, sorted once: the scheduler reads the table ~R*K times a step.
         self._ts = {r: sorted(t for rr, t in seconds if rr == r) for r in self.requests}
@@ -415,47 +394,11 @@ class StepCost:
 
     def seconds_per_step(self, requests: int, tokens: int, longest: int | None = None) -> float:
         """One step of ``requests`` requests verifying ``tokens`` in all, the longest
-        ``longest`` of them (None: as many each): the profile, as corrected by the real
-        steps observed so far."""
-        if self._fit is None:
-            return self._profiled(requests, tokens, longest)
-        parts = self._parts(requests, tokens, longest)
-        return max(0.1 * sum(parts[:3]), self._fit.predict(parts))
-
-    def observe(self, requests: int, tokens: int, longest: int, seconds: float) -> None:
-        """A real step of ``requests`` requests verifying ``tokens`` in all (anchors
-        included; the longest ``longest``) took ``seconds``, draft to extend."""
-        if requests < 1 or tokens < requests or not math.isfinite(seconds) or seconds <= 0:
-            return
-        if self._fit is None:
-            self._fit = _StepFit(self._prior_spread(), self.forget, self.noise)
-        parts = self._parts(requests, tokens, longest)
-        self._fit.add(parts, seconds, scale=sum(parts[:3]))
-
-    def _parts(self, requests: int, tokens: int, longest: int | None) -> tuple[float, ...]:
-        """The fit's features: the profile's one-token step, its rise for the guesses,
-        its padding; the requests; 1."""
-        base = self._per_token(requests, requests)
-        padding = self._padding_rate(requests) * _padded(requests, tokens, longest) if self.padding else 0.0
-        return base, self._per_token(requests, tokens) - base, padding, float(requests), 1.0
-
-    def _prior_spread(self) -> tuple[float, ...]:
-        """How far the real steps may plausibly sit from the profile, per coefficient:
-        the scales by half (padding, measured with the most noise, by all of itself);
-        unseen work per request and per step each up to ~30% of the profiled step."""
-        r_max = self.requests[-1]
-        return 0.5, 0.5, 1.0, 0.3 * self._per_token(r_max, r_max) / r_max, 0.3 * self._per_token(1, 1)
-
-    @property
-    def fitted(self) -> dict[str, float] | None:
-        """The coefficients learned so far (None before the first observed step)."""
-        return None if self._fit is None else self._fit.to_dict()
-
-    def _profiled(self, requests: int, tokens: int, longest: int | None = None) -> float:
+        ``longest`` of them (None: as many each)."""
         base = self._per_token(requests, tokens)
-        if not self.padding:
+        if longest is None or not self.padding:
             return base
-        return base + self._padding_rate(requests) * _padded(requests, tokens, longest)
+        return base + self._padding_rate(requests) * max(0, requests * longest - tokens)
 
     def _padding_rate(self, requests: int) -> float:
         rs = sorted(self.padding)
@@ -486,15 +429,6 @@ class StepCost:
         longest request's ``longest``)."""
         return 1.0 / self.seconds_per_step(requests, tokens, longest)
 
-    @property
-    def charges_padding(self) -> bool:
-        """Whether a padded slot may cost something (a profiled rate)."""
-        return bool(self.padding)
-
-    def profiled(self) -> StepCost:
-        """The profile alone (nothing learned), as a new table."""
-        return StepCost(self.seconds, self.padding, self.forget, self.noise)
-
     def to_dict(self) -> dict:
         return {**{f"{r}x{t}": round(s, 6) for (r, t), s in sorted(self.seconds.items())},
                 **{f"padding@{r}": round(s, 7) for r, s in sorted(self.padding.items())}}
@@ -514,9 +448,12 @@ class StepCost:
         through per-t medians moved between 0 and +45% from profile to profile, the
         paired difference by a few %. The alternating order cancels a machine that
         drifts while it profiles. For R > 1 each pair is followed by a pair of the one-token
-        step and a step where one request verifies ``max_tokens`` and the others one:
-        its median difference, less that request's share of the rise, per padded slot,
-        is ``padding[R]``."""
+        step and a step where half the requests verify ``max_tokens`` and the others one:
+        its median difference, less those requests' share of the rise, per padded slot,
+        is ``padding[R]``. (Half, not one: a padded slot's cost depends on the layout.
+        Measured on configs/small at R = 16, real caches: with one request at 6 tokens
+        among fifteen at 1 a padded slot cost 0.22 of a token, with half at 6 0.47, with
+        lengths mixed at random 0.54.)"""
         generator = torch.Generator().manual_seed(seed)
         seconds, padding = {}, {}
         for r in requests:
@@ -528,12 +465,13 @@ class StepCost:
                 pos = [torch.arange(context - drafter.window, context) for _ in range(r)]
                 contexts = drafter.extend([None] * r, feats, pos)
             greedy = [SamplingParams(temperature=0.0)] * r
+            long = max(1, r // 2)  # the requests of the padded step that verify max_tokens
 
             def step(t: int, skewed: bool = False) -> float:
                 start = time.perf_counter()
                 if contexts is not None:
                     drafter.propose(contexts, [5] * r, greedy, [None] * r)
-                counts = [t if i == 0 or not skewed else 1 for i in range(r)]
+                counts = [t if i < long or not skewed else 1 for i in range(r)]
                 _, rewinds = engine.verify([(c, [5] * n) for c, n in zip(caches, counts)])
                 for c, rw in zip(caches, rewinds):
                     engine.accept(c, rw, 1)  # the context grows by one token a step
@@ -556,53 +494,10 @@ class StepCost:
             base, rise = statistics.median(ones), max(0.0, statistics.median(rises))
             span = max(1, max_tokens - 1)
             seconds.update({(r, t): base + rise * (t - 1) / span for t in range(1, max_tokens + 1)})
-            if skews:  # what the skewed step costs past its tokens' share of the rise, per padded slot
-                tokens_rise = rise * (max_tokens - 1) / (span * r)
-                padding[r] = max(0.0, statistics.median(skews) - tokens_rise) / ((r - 1) * (max_tokens - 1))
+            if skews:  # what the padded step costs past its tokens' share of the rise, per padded slot
+                tokens_rise = rise * long / r
+                padding[r] = max(0.0, statistics.median(skews) - tokens_rise) / ((r - long) * (max_tokens - 1))
         return cls(seconds, padding)
-
-
-def _padded(requests: int, tokens: int, longest: int | None) -> int:
-    """Slots a step lays out and drops: ``requests * longest - tokens`` (0 without ``longest``)."""
-    return 0 if longest is None else max(0, requests * longest - tokens)
-
-
-class _StepFit:
-    """``seconds = theta . parts``, fitted to observed steps by ridge regression towards
-    the prior theta0 = (1, 1, 1, 0, 0) (Bayesian linear regression in information
-    form: precision ``A``, ``h = A theta``). Rows are divided by ``scale`` (the profiled
-    step), so every step's error counts relative to its size. Each observation's weight
-    decays by ``forget`` per later one; the prior's weight does not (``A <- forget * A
-    + (1 - forget) * A0 + x x^T / noise^2``), so the fit follows drift and keeps the
-    prior where the steps say nothing (a direction they never vary)."""
-
-    NAMES = ("base", "guesses", "padding", "per_request_s", "per_step_s")
-
-    def __init__(self, spread: tuple[float, ...], forget: float, noise: float):
-        self._a0 = torch.diag(torch.tensor(spread, dtype=torch.float64) ** -2)
-        self._h0 = self._a0 @ torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0], dtype=torch.float64)
-        self._a, self._h = self._a0.clone(), self._h0.clone()
-        self.forget, self._precision = forget, noise ** -2
-        self.theta = torch.linalg.solve(self._a, self._h).tolist()
-        self.steps = 0
-
-    def add(self, parts: tuple[float, ...], seconds: float, scale: float) -> None:
-        x = torch.tensor(parts, dtype=torch.float64) / scale
-        keep = self.forget
-        self._a = keep * self._a + (1 - keep) * self._a0 + self._precision * torch.outer(x, x)
-        self._h = keep * self._h + (1 - keep) * self._h0 + self._precision * (seconds / scale) * x
-        self.theta = torch.linalg.solve(self._a, self._h).tolist()
-        self.steps += 1
-
-    def predict(self, parts: tuple[float, ...]) -> float:
-        """The fitted cost, the guesses' and padding's scales clamped at 0 (verifying
-        more never makes a step cheaper)."""
-        base, guesses, padding, per_request, per_step = self.theta
-        return (base * parts[0] + max(0.0, guesses) * parts[1] + max(0.0, padding) * parts[2]
-                + per_request * parts[3] + per_step * parts[4])
-
-    def to_dict(self) -> dict[str, float]:
-        return {"steps": self.steps, **{name: round(value, 6) for name, value in zip(self.NAMES, self.theta)}}
 
 
 def pair_order(max_tokens: int, pairs: int) -> list[tuple[int, int]]:
@@ -651,7 +546,7 @@ def schedule(survival: torch.Tensor, cost: StepCost) -> list[int]:
     lengths = [0] * r_count
     tokens, expected, longest = r_count, float(r_count), 1
     best, best_lengths = expected * cost.sps(r_count, tokens, longest), list(lengths)
-    whole = cost.charges_padding
+    whole = bool(cost.padding)
     for value, j, r in order:
         if j != lengths[r]:  # a later guess before an earlier one: only ties could do this
             break
