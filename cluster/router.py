@@ -461,11 +461,10 @@ class Router:
         start with ``compiled_step`` builds the step's packages for minutes: requests
         sent then wait for it), and 503 ``"degraded"`` while one has none running later."""
         problems = await self._problems()
-        waiting = any(_NO_REPLICA in problem for problem in problems)
-        if not waiting:
-            self._pools_ready = True
-        status = ("degraded" if self._pools_ready else "starting") if waiting else "degraded" if problems else "ok"
-        return JSONResponse({"status": status, "problems": problems}, status_code=503 if waiting else 200)
+        if any(_NO_REPLICA in problem for problem in problems):
+            status = "degraded" if self._pools_ready else "starting"
+            return JSONResponse({"status": status, "problems": problems}, status_code=503)
+        return JSONResponse({"status": "degraded" if problems else "ok", "problems": problems})
 
     async def check_health(self) -> None:
         """Serve's periodic health check: refreshes the parts' gauges (``v41_redis_up``,
@@ -487,6 +486,7 @@ class Router:
             checks.append(asyncio.to_thread(self._redis_problem))
         found = [problem for problems in await asyncio.gather(*checks) for problem in problems]
         self._health = (time.monotonic(), found)
+        self._pools_ready |= not any(_NO_REPLICA in problem for problem in found)
         self.metrics.parts(redis_up=not any(p.startswith("redis") for p in found),
                            stores_down=sum(p.startswith("store") for p in found))
         return found

@@ -14,9 +14,8 @@ input also carries the indexer's query of a layer that runs one, a fifth functio
 pools and encodes a Full layer's groups completed in the step, and a sixth is a DSpark
 drafter layer's attention (each request's block over its drafter context and its own
 window entries: one call instead of ~40 eager ops, 0.8 ms of a 2.9 ms draft at batch
-1). What reads
-the caches between them (window places, the indexer's scores and top-k, the gathers)
-stays eager, in :class:`model.runtime.engine.Engine`.
+1). What reads the caches between them (window places, the indexer's scores and top-k,
+the gathers) stays eager, in :class:`model.runtime.engine.Engine`.
 
 By default (``mode="aot"``) each function is built ahead of time by AOTInductor into a
 package kept on disk (:mod:`model.runtime.aot`), one per signature: a call then costs
@@ -123,8 +122,8 @@ def _draft_attention(x, cos, sin, context, in_window, wq_a, q_norm, wq_b, wkv, k
     q, _ = attention.queries(x, cos, sin, wq_a, q_norm, wq_b, n_heads, eps)
     own = formats.WINDOW_KV.fake_quant(attention.window_raw(x, cos, sin, wkv, kv_norm, kv_eps))
     keys = torch.cat((context.to(x.dtype), own), dim=1)
-    mask = torch.cat((in_window.unsqueeze(1).expand(-1, k, -1), torch.ones_like(in_window[:, :1, None]).expand(
-        -1, k, k)), dim=-1)
+    block = torch.ones_like(in_window[:, :1, None]).expand(-1, k, k)  # the whole block, both ways
+    mask = torch.cat((in_window.unsqueeze(1).expand(-1, k, -1), block), dim=-1)
     return attention.output(attention.attend(q, keys, mask, sink, scaling), cos, sin, wo_a, wo_b, o_groups)
 
 
