@@ -477,7 +477,9 @@ class Router:
 
     async def _problems(self) -> list[str]:
         now = time.monotonic()
-        if self._health is not None and now - self._health[0] < 1.0:
+        # A second-old answer serves, unless it had a pool without a replica: a starting
+        # pool's first replica must show at once (`v41 serve` says ready as it runs).
+        if self._health is not None and now - self._health[0] < 1.0 and self._pools_ready:
             return self._health[1]
         from actors.health import store_problems
 
