@@ -50,12 +50,60 @@ from ..transformer import Block, Transformer
 from .cache import SequenceCache, Window
 
 
-def _laid_out(rows: torch.Tensor, slots: torch.Tensor | None, b: int, n: int) -> torch.Tensor:
-    """A step's per-token rows [N, ...] as [b, n, ...]: in place when every sequence
-    feeds ``n`` tokens, else each token at its slot and the rest zeros."""
-    if slots is None:
-        return rows.view(b, n, *rows.shape[1:])
-    return rows.new_zeros(b * n, *rows.shape[1:]).index_put_((slots,), rows).view(b, n, *rows.shape[1:])
+def _rows_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for a table [E, d] and an index of any shape, one row copy per
+    index (``index_select``). Advanced indexing on CPU copies element by element: at a
+    batch-16 step's sizes it was 3.5-7x slower, and a padded verify step spent more
+    time in it than in its matmuls."""
+    return table.index_select(0, index.reshape(-1)).view(*index.shape, table.shape[-1])
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The N tokens of a step whose cache reads are batched over its b sequences.
+
+    The indexer scores each sequence's queries against that sequence's keys, shared
+    by its tokens: queries laid out [b, n], each sequence's tokens from its row's start
+    (when the sequences feed different counts, a verify of each one's own number of
+    guesses, the rows' tails are padding). Everything after the scores is per token:
+    [N, ...], so a padded slot costs only its share of the scoring."""
+
+    owner: torch.Tensor  # [N]: each token's sequence
+    slots: torch.Tensor | None  # [N]: each token's place in [b * n]; None when every sequence feeds n
+    b: int
+    n: int
+
+    @classmethod
+    def of(cls, counts: Sequence[int], device: torch.device) -> _Layout:
+        b, n = len(counts), max(counts)
+        owner = torch.arange(b, device=device).repeat_interleave(torch.tensor(counts, device=device))
+        slots = None if min(counts) == n else torch.cat(
+            [torch.arange(i * n, i * n + m, device=device) for i, m in enumerate(counts)])
+        return cls(owner, slots, b, n)
+
+    def padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-token rows [N, ...] as [b, n, ...]: each token at its slot, zeros elsewhere."""
+        if self.slots is None:
+            return rows.view(self.b, self.n, *rows.shape[1:])
+        out = rows.new_zeros(self.b * self.n, *rows.shape[1:])
+        return out.index_put_((self.slots,), rows).view(self.b, self.n, *rows.shape[1:])
+
+    def tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows laid out [b, n, ...] as the tokens' [N, ...] (padding dropped)."""
+        rows = rows.flatten(0, 1)
+        return rows if self.slots is None else rows.index_select(0, self.slots)
+
+    def each(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-sequence rows [b, ...] as each token's sequence's row [N, ...]."""
+        if self.slots is None:  # a view when each sequence feeds one token
+            return rows[:, None].expand(self.b, self.n, *rows.shape[1:]).flatten(0, 1)
+        return rows.index_select(0, self.owner)
+
+    def rows_at(self, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``table[owner[i], index[i]]`` for each token i: a table [b, E, d] per sequence
+        and an index [N, ...] -> [N, ..., d]."""
+        offsets = (self.owner * table.shape[1]).view(-1, *[1] * (index.dim() - 1))
+        return _rows_at(table.flatten(0, 1), index + offsets)
 
 
 def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -576,38 +624,29 @@ class Engine:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_sequence_keys` for ``b`` sequences of at most ``n`` tokens each, in a
         fixed number of tensor ops however many sequences there are: (keys [N, T, hd],
-        mask [N, T]) for the step's tokens at ``positions`` [N].
-
-        Queries are laid out [b, n], each sequence's tokens from its row's start; when
-        the sequences feed different counts (a verify of each one's own number of
-        guesses), the rows' tails are padding (``state["slots"]``: each token's place
-        in the [b * n] layout), computed on and dropped.
+        mask [N, T]) for the step's tokens at ``positions`` [N] (their :class:`_Layout`
+        in ``state``, made once per step).
 
         Each sequence's window rows that any of its queries may read are one slice of
         its window; the slices, and the long-range entries and indexer keys of each KV
         source (once per step, in ``state``), are padded to the longest sequence, and
-        the masks, the indexer and the gathers run over the padded batch. Padding is
-        masked, so each query attends to the places the per-sequence path gives it
-        (in another order where sequences are padded: equal to float rounding)."""
-        plan, b, device = block.plan, len(segments), x.device
-        if "query_pos" not in state:  # once per step: the [b, n] layout of its tokens
-            counts = [s.hi - s.lo for s in segments]
-            n = max(counts)
-            state["slots"] = None if min(counts) == n else torch.cat(
-                [torch.arange(i * n, i * n + m, device=device) for i, m in enumerate(counts)])
-            state["query_pos"] = _laid_out(positions, state["slots"], b, n)
-        query_pos, slots = state["query_pos"], state["slots"]
-        n = query_pos.shape[1]
+        each token reads its own sequence's rows. Padding is masked, so each query
+        attends to the places the per-sequence path gives it (in another order where
+        sequences are padded: equal to float rounding)."""
+        plan, device = block.plan, x.device
+        if "layout" not in state:
+            state["layout"] = _Layout.of([s.hi - s.lo for s in segments], device)
+        layout: _Layout = state["layout"]
         firsts = [max(w.start, s.first - self.window + 1) for s, w in zip(segments, windows)]
         views = [w.rows.values[first - w.start :] for w, first in zip(windows, firsts)]
         window_keys = _padded(views)  # [b, Tw, hd]
-        width = window_keys.shape[1]
-        places = torch.arange(width, device=device)
-        delta = query_pos[:, :, None] - places - torch.tensor(firsts, device=device)[:, None, None]  # [b, n, Tw]
-        mask = (delta >= 0) & (delta < self.window)
-        if b > 1:
-            mask &= (places < torch.tensor([v.shape[0] for v in views], device=device)[:, None])[:, None]
-        keys = window_keys[:, None].expand(b, n, width, window_keys.shape[-1])
+        places = torch.arange(window_keys.shape[1], device=device)
+        delta = (positions - layout.each(torch.tensor(firsts, device=device)))[:, None] - places
+        mask = (delta >= 0) & (delta < self.window)  # [N, Tw]
+        if layout.b > 1:
+            lengths = torch.tensor([v.shape[0] for v in views], device=device)
+            mask &= places < layout.each(lengths)[:, None]
+        keys = layout.each(window_keys)  # [N, Tw, hd]
         if plan.mode is not AttentionMode.WINDOW:
             if plan.mode is AttentionMode.FULL:
                 self._compress(block, segments, x)
@@ -617,60 +656,58 @@ class Engine:
                                          _padded([s.cache.keys[source].values for s in segments]))
             entries, index_keys = state["rows", source]
             if plan.runs_indexer:
-                state[plan.index] = self._batch_pick(block, index_keys, x, q_residual, cos, sin, query_pos, state,
+                state[plan.index] = self._batch_pick(block, index_keys, x, q_residual, cos, sin, positions, state,
                                                      index_query)
-            index, valid = state[plan.index_source]  # [b, n, k]
-            picked = entries[torch.arange(b, device=device)[:, None, None], index]  # [b, n, k, hd]
-            keys = torch.cat((keys, picked), dim=2)
-            mask = torch.cat((mask, valid), dim=2)
-        keys, mask = keys.flatten(0, 1), mask.flatten(0, 1)
-        return (keys, mask) if slots is None else (keys[slots], mask[slots])
+            index, valid = state[plan.index_source]  # [N, k]
+            keys = torch.cat((keys, layout.rows_at(entries, index)), dim=1)
+            mask = torch.cat((mask, valid), dim=1)
+        return keys, mask
 
     def _batch_pick(self, block: Block, keys: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, query_pos: torch.Tensor, state: dict,
+                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, state: dict,
                     index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_pick` over a padded batch: ``keys`` [b, E, d], ``query_pos`` [b, n];
-        returns (entry indices [b, n, k], valid [b, n, k]). ``index_query``: the
-        indexer's per-token half (:meth:`~model.attention.Indexer.query`) when the
-        compiled step computed it."""
-        plan, config, indexer = block.plan, self.config, block.attn.indexer
-        (b, n), n_entries = query_pos.shape, keys.shape[1]
-        k = min(config.index_topk, n_entries)
+        """:meth:`_pick` over the batch (``state["layout"]``): ``keys`` [b, E, d] per
+        sequence, ``positions`` [N]; returns (entry indices [N, k], valid [N, k]).
+        ``index_query``: the indexer's per-token half
+        (:meth:`~model.attention.Indexer.query`) when the compiled step computed it."""
+        plan, config, indexer, layout = block.plan, self.config, block.attn.indexer, state["layout"]
+        k = min(config.index_topk, keys.shape[1])
         if k == 0:
-            empty = torch.zeros(b, n, 0, dtype=torch.long, device=x.device)
+            empty = torch.zeros(len(positions), 0, dtype=torch.long, device=x.device)
             return empty, empty.bool()
-        n_visible = (query_pos + 1) // plan.compress_ratio  # [b, n]
-        query = tuple(_laid_out(t[0], state["slots"], b, n) for t in
-                      index_query or indexer.query(x[None], q_residual, cos, sin))
-        top, valid, candidates = self._indexer_top(block, query, keys, n_visible, k, state.get("candidates"))
+        q, weights = index_query or indexer.query(x[None], q_residual, cos, sin)  # [1, N, H, d], [1, N, H]
+        if plan.candidate_source is not None:  # a Reindex layer: each token scores its own candidates
+            pool = state["candidates"]
+            scores = indexer.score(q, weights, layout.rows_at(keys, pool[0])[None])[0]
+        else:  # every token of a sequence against its keys: laid out [b, n]
+            scores = layout.tokens(indexer.score(layout.padded(q[0]), layout.padded(weights[0]), keys))
+            pool = None
+        top, valid, candidates = self._indexer_top(block, scores, (positions + 1) // plan.compress_ratio, k, pool)
         if candidates is not None:
             state["candidates"] = candidates
         return top, valid
 
-    def _indexer_top(self, block: Block, query: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
-                     n_visible: torch.Tensor, k: int, candidates: tuple[torch.Tensor, torch.Tensor] | None
+    def _indexer_top(self, block: Block, scores: torch.Tensor, n_visible: torch.Tensor, k: int,
+                     pool: tuple[torch.Tensor, torch.Tensor] | None
                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The indexer's choice for queries [b, n] (``query``: its per-token half) over
-        ``keys`` [b, E, d], entries ``>= n_visible`` [b, n] not yet complete: (entry
-        indices [b, n, k], valid [b, n, k], the pool a candidate source lists for the
-        Reindex layers after it, else None). A Reindex layer scores only ``candidates``
-        (pool [b, n, P], valid [b, n, P])."""
-        plan, config, indexer = block.plan, self.config, block.attn.indexer
-        if plan.candidate_source is not None:
-            pool, pool_valid = candidates
-            pool_valid = pool_valid & (pool < n_visible[..., None])  # the newest block is partial
-            picked = keys[torch.arange(keys.shape[0], device=keys.device)[:, None, None], pool]  # [b, n, P, d]
-            scores = indexer.score(*query, picked).masked_fill(~pool_valid, float("-inf"))
+        """The indexer's choice from its ``scores`` [..., T] of queries that see the
+        entries below ``n_visible`` [...] (the rest are not yet complete): (entry
+        indices [..., k], valid [..., k], the pool a candidate source lists for the
+        Reindex layers after it, else None). A Reindex layer's scores are of its
+        candidates only, ``pool`` (entries [..., P], valid [..., P])."""
+        plan, config = block.plan, self.config
+        if pool is not None:
+            entries, pool_valid = pool
+            pool_valid = pool_valid & (entries < n_visible[..., None])  # the newest block is partial
+            scores = scores.masked_fill(~pool_valid, float("-inf"))
             listed = None
         else:
-            pool = None
-            scores = indexer.score(*query, keys)
-            visible = torch.arange(keys.shape[1], device=keys.device) < n_visible[..., None]
+            visible = torch.arange(scores.shape[-1], device=scores.device) < n_visible[..., None]
             scores = scores.masked_fill(~visible, float("-inf"))
             listed = candidate_entries(scores, n_visible, config.candidate_topk_blocks,
                                        config.candidate_block_size) if plan.is_candidate_source else None
         top, values = top_k(scores, k)
-        return (top if pool is None else pool.gather(-1, top)), values > float("-inf"), listed
+        return (top if pool is None else pool[0].gather(-1, top)), values > float("-inf"), listed
 
     def _sequence_keys(self, block: Block, segments: list[_Segment], windows: list[Window], x: torch.Tensor,
                        q_residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, picks: list[dict],
@@ -705,7 +742,7 @@ class Engine:
         offsets = torch.arange(self.window, device=x.device) - (self.window - 1)
         win_index = positions[:, None] + offsets[None] - window.start  # [n, W]
         mask = win_index >= 0
-        keys = window.rows.values[win_index.clamp_min(0)]  # [n, W, hd]
+        keys = _rows_at(window.rows.values, win_index.clamp_min(0))  # [n, W, hd]
         if plan.mode is not AttentionMode.WINDOW:
             if plan.mode is AttentionMode.FULL:
                 self._compress(block, [segment], x)
@@ -714,7 +751,7 @@ class Engine:
                 picks[plan.index] = self._pick(block, cache, x[segment.lo : segment.hi], q_residual, cos, sin,
                                                positions, picks, index_query)
             index, valid = picks[plan.index_source]
-            keys = torch.cat((keys, entries[index]), dim=1)  # [n, W + k, hd]
+            keys = torch.cat((keys, _rows_at(entries, index)), dim=1)  # [n, W + k, hd]
             mask = torch.cat((mask, valid), dim=1)
         return keys, mask
 
@@ -743,13 +780,16 @@ class Engine:
                 query = block.attn.indexer.query(x[None, lo:hi], q_residual[:, lo:hi], cos[:, lo:hi], sin[:, lo:hi])
             else:
                 query = tuple(t[:, lo:hi] for t in index_query)
-            candidates = None if plan.candidate_source is None else tuple(t[None, lo:hi] for t in picks["candidates"])
-            top, chunk_valid, listed = self._indexer_top(block, query, keys[None], n_visible[None, lo:hi], k,
-                                                         candidates)
-            indices.append(top[0])
-            valid.append(chunk_valid[0])
+            if plan.candidate_source is None:
+                pool, scores = None, block.attn.indexer.score(*query, keys[None])[0]  # [c, E]
+            else:  # a Reindex layer: its candidates only
+                pool = tuple(t[lo:hi] for t in picks["candidates"])
+                scores = block.attn.indexer.score(*query, _rows_at(keys, pool[0])[None])[0]  # [c, P]
+            top, chunk_valid, listed = self._indexer_top(block, scores, n_visible[lo:hi], k, pool)
+            indices.append(top)
+            valid.append(chunk_valid)
             if listed is not None:
-                pools.append(tuple(t[0] for t in listed))
+                pools.append(listed)
         if pools:
             picks["candidates"] = tuple(torch.cat(parts) for parts in zip(*pools))
         return torch.cat(indices), torch.cat(valid)
