@@ -9,6 +9,8 @@ import statistics
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model.runtime.batcher import Batcher, Speculation, generate
 from model.dspark import DSparkDrafter
@@ -358,6 +360,48 @@ def test_the_scheduler_pays_for_the_padding_of_the_longest_verify():
     assert schedule(one_sided, padded) == [0, 0]
     both = torch.tensor([[0.95, 0.9, 0.85], [0.95, 0.9, 0.85]])
     assert schedule(both, padded) == [3, 3]
+
+
+def _schedule_one_by_one(survival: torch.Tensor, cost: StepCost) -> list[int]:
+    """Algorithm 1 as the paper states it, one admission at a time: the oracle of the
+    vectorised :func:`schedule`."""
+    r_count, k = survival.shape
+    a = survival.double().tolist()
+    order = sorted(((a[r][j], j, r) for r in range(r_count) for j in range(k) if a[r][j] > 0),
+                   key=lambda item: (-item[0], item[1], item[2]))
+    lengths, tokens, expected, longest = [0] * r_count, r_count, float(r_count), 1
+    best, best_lengths = expected * cost.sps(r_count, tokens, longest), list(lengths)
+    for value, j, r in order:
+        if j != lengths[r]:
+            break
+        tokens, expected, longest = tokens + 1, expected + value, max(longest, j + 2)
+        lengths[r] = j + 1
+        throughput = expected * cost.sps(r_count, tokens, longest)
+        if throughput > best:
+            best, best_lengths = throughput, list(lengths)
+        elif not cost.padding:
+            break
+    return best_lengths
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests=st.integers(1, 24), k=st.integers(1, 6), seed=st.integers(0, 2**16), padded=st.booleans(),
+       rise=st.floats(0.0, 0.5), ties=st.booleans())
+def test_the_scheduler_admits_as_algorithm_1_one_by_one(requests, k, seed, padded, rise, ties):
+    """The vectorised search returns what admitting candidates one at a time returns:
+    random survivals (rounded to a coarse grid for ties, some rows cut to zero by a
+    request's room), tables with and without padding, R between and beyond the
+    table's points."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.rand(requests, k, generator=g)
+    if ties:
+        c = (c * 4).round() / 4
+    room = torch.randint(0, k + 1, (requests, 1), generator=g)
+    survival = c.cumprod(1) * (torch.arange(k)[None] < room)
+    steps = {r: (rise * torch.rand(k + 1, generator=g)).cumsum(0).tolist() for r in (1, 4, 16)}  # rising in t
+    table = {(r, t): 0.01 * r**0.5 * (1.0 + steps[r][t - 1]) for r in (1, 4, 16) for t in range(1, k + 2)}
+    cost = StepCost(table, padding={4: 0.003 * rise, 16: 0.01 * rise} if padded else None)
+    assert schedule(survival, cost) == _schedule_one_by_one(survival, cost)
 
 
 def test_scheduler_never_admits_zero_survival():
