@@ -23,7 +23,7 @@ from model.runtime.speculative import (
     accept_tokens,
     expected_calibration_error,
     schedule,
-    pair_order,
+    profile_order,
 )
 from model.training import init_module
 
@@ -447,23 +447,24 @@ def test_expected_calibration_error_of_a_perfect_predictor_is_small():
 def test_profiled_cost_has_every_point(tiny):
     engine, drafter = tiny
     cost = StepCost.profile(engine, SpeculativeDrafter(drafter, engine), requests=(1, 2), max_tokens=3,
-                            context=40, pairs=2)
+                            context=40, rounds=2)
     assert set(cost.seconds) == set(itertools.product((1, 2), (1, 2, 3)))
     assert all(s > 0 for s in cost.seconds.values())
     assert set(cost.padding) == {2} and cost.padding[2] >= 0  # measured where there are others to pad
     assert cost.seconds_per_step(2, 6) >= cost.seconds_per_step(2, 2)
+    assert all(cost.seconds[(r, t)] <= cost.seconds[(r, t + 1)] for r in (1, 2) for t in (1, 2))
 
 
-def test_profile_pairs_cancel_a_drifting_machine():
+def test_profile_rounds_cancel_a_drifting_machine():
     # Each step timed on a machine slowing down steadily: a step's time is its position.
-    # The median paired rise of T over 1 must come out 0, or drift would read as a cost
-    # of verifying more guesses.
-    order = [t for pair in pair_order(6, 8) for t in pair]
-    assert sorted(order) == sorted([1, 6] * 8)
-    rises = [(order.index(6, i) - order.index(1, i)) for i in range(0, 16, 2)]
-    assert statistics.median(rises) == 0
-    one_way = [t for _ in range(8) for t in (1, 6)]  # pairs all in one order: drift shows
-    assert statistics.median(one_way.index(6, i) - one_way.index(1, i) for i in range(0, 16, 2)) == 1
+    # The median rise of every t over the same round's t = 1 must come out 0, or drift
+    # would read as a cost of verifying more guesses.
+    rounds = profile_order(6, 8)
+    assert all(sorted(r) == [1, 2, 3, 4, 5, 6] for r in rounds)
+    for t in range(2, 7):
+        assert statistics.median(r.index(t) - r.index(1) for r in rounds) == 0
+    one_way = [list(range(1, 7))] * 8  # rounds all in one order: drift shows
+    assert statistics.median(r.index(6) - r.index(1) for r in one_way) == 5
 
 
 def test_bench_lockstep_runs_every_mode_as_if_alone(tiny):

@@ -437,25 +437,33 @@ class StepCost:
 
     @classmethod
     def profile(cls, engine: Engine, drafter: SpeculativeDrafter | None, requests: Sequence[int] = (1, 2, 4, 8, 16),
-                max_tokens: int = 6, context: int = 96, pairs: int = 8, seed: int = 0) -> "StepCost":
+                max_tokens: int = 6, context: int = 96, rounds: int = 8, seed: int = 0) -> "StepCost":
         """Time real draft + verify + accept steps on synthetic caches (random entries in
         the real formats, full windows; a step's cost does not depend on the values).
 
-        For each R: ``pairs`` pairs of a step verifying one token per request and one
-        verifying ``max_tokens``, back to back, in alternating order ((1, T), (T, 1),
-        ...); the table is the line through the median one-token step with the median
-        paired difference as its rise. Pairing is what makes the rise measurable: on a
-        shared 2-core machine one step of 16 requests varies by ~15% from the next,
-        more than verifying six tokens instead of one costs (~10%); a line fitted
-        through per-t medians moved between 0 and +45% from profile to profile, the
-        paired difference by a few %. The alternating order cancels a machine that
-        drifts while it profiles. For R > 1 each pair is followed by a pair of the one-token
-        step and a step where half the requests verify ``max_tokens`` and the others one:
-        its median difference, less those requests' share of the rise, per padded slot,
-        is ``padding[R]``. (Half, not one: a padded slot's cost depends on the layout.
+        For each R: ``rounds`` rounds of steps verifying 1, 2, ..., T tokens per request
+        back to back, in alternating order (ascending, then descending: :func:`profile_order`);
+        the table at t is the median one-token step plus the median, over rounds, of
+        the t-token step less the same round's one-token step (never falling with t).
+        Differences within a round are what make the rise measurable: on a shared
+        2-core machine one step of 16 requests varies by ~15% from the next, more than
+        verifying six tokens instead of one costs at small R; a line fitted through
+        per-t medians moved between 0 and +45% from profile to profile, the paired
+        difference by a few %. The alternating order cancels a machine that drifts
+        while it profiles. Every t is measured because the cost is not a line in t:
+        on configs/small's compiled step at R = 1, 11.8 / 12.9 / 14.4 / 13.6 / 14.6 /
+        14.3 ms for t = 1..6 (most of the rise by t = 3), at R = 4 a third of it from
+        t = 1 to 2; a line through t = 1 and 6 made the scheduler stop at 2-3 guesses
+        where verifying all 5 cost about the same.
+
+        For R > 1 each round is followed by a pair of the one-token step and a step
+        where half the requests verify ``max_tokens`` and the others one: its median
+        difference, less what the table gives those tokens, per padded slot, is
+        ``padding[R]``. (Half, not one: a padded slot's cost depends on the layout.
         Measured on configs/small at R = 16, real caches: with one request at 6 tokens
         among fifteen at 1 a padded slot cost 0.22 of a token, with half at 6 0.47, with
-        lengths mixed at random 0.54.)"""
+        lengths mixed at random 0.54; with each token's cache reads per token since,
+        0.17.)"""
         generator = torch.Generator().manual_seed(seed)
         seconds, padding = {}, {}
         for r in requests:
@@ -480,12 +488,12 @@ class StepCost:
                 return time.perf_counter() - start
 
             step(max_tokens)  # warm-up
-            ones, rises, skews = [], [], []
-            for first, second in pair_order(max_tokens, pairs):
-                times = {first: step(first)}
-                times[second] = step(second)
+            ones, rises, skews = [], {t: [] for t in range(2, max_tokens + 1)}, []
+            for order in profile_order(max_tokens, rounds):
+                times = {t: step(t) for t in order}
                 ones.append(times[1])
-                rises.append(times[max_tokens] - times[1])
+                for t, rise in rises.items():
+                    rise.append(times[t] - times[1])
                 if r > 1:  # one request verifying max_tokens, the others 1 (the most padding), paired
                     if len(skews) % 2:
                         one = step(1)
@@ -493,18 +501,22 @@ class StepCost:
                     else:
                         lopsided = step(max_tokens, skewed=True)
                         skews.append(lopsided - step(1))
-            base, rise = statistics.median(ones), max(0.0, statistics.median(rises))
-            span = max(1, max_tokens - 1)
-            seconds.update({(r, t): base + rise * (t - 1) / span for t in range(1, max_tokens + 1)})
-            if skews:  # what the padded step costs past its tokens' share of the rise, per padded slot
-                tokens_rise = rise * long / r
+            base, top = statistics.median(ones), 0.0
+            seconds[(r, 1)] = base
+            for t, rise in rises.items():
+                top = max(top, statistics.median(rise))  # verifying more never costs less
+                seconds[(r, t)] = base + top
+            if skews:  # what the padded step costs past what the table gives its tokens, per padded slot
+                tokens = r + long * (max_tokens - 1)
+                tokens_rise = cls(seconds).seconds_per_step(r, tokens) - base
                 padding[r] = max(0.0, statistics.median(skews) - tokens_rise) / ((r - long) * (max_tokens - 1))
         return cls(seconds, padding)
 
 
-def pair_order(max_tokens: int, pairs: int) -> list[tuple[int, int]]:
-    """The profile's step pairs: (1, T) and (T, 1) in turns."""
-    return [(1, max_tokens) if i % 2 == 0 else (max_tokens, 1) for i in range(pairs)]
+def profile_order(max_tokens: int, rounds: int) -> list[list[int]]:
+    """The profile's rounds of steps: 1, 2, ..., T and T, ..., 2, 1 in turns."""
+    ascending = list(range(1, max_tokens + 1))
+    return [ascending if i % 2 == 0 else ascending[::-1] for i in range(rounds)]
 
 
 def synthetic_cache(engine: Engine, context: int, generator: torch.Generator) -> SequenceCache:
