@@ -494,7 +494,7 @@ class StepCost:
                 ones.append(times[1])
                 for t, rise in rises.items():
                     rise.append(times[t] - times[1])
-                if r > 1:  # one request verifying max_tokens, the others 1 (the most padding), paired
+                if r > 1:  # half the requests verifying max_tokens, the others 1 (padding), paired
                     if len(skews) % 2:
                         one = step(1)
                         skews.append(step(max_tokens, skewed=True) - one)
