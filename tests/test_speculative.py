@@ -7,6 +7,7 @@ import itertools
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,10 +21,12 @@ from model.runtime.speculative import (
     Calibration,
     SpeculativeDrafter,
     StepCost,
+    VerifyRecord,
     accept_tokens,
     expected_calibration_error,
     schedule,
     profile_order,
+    replay_schedules,
 )
 from model.training import init_module
 
@@ -493,6 +496,40 @@ def test_bench_lockstep_runs_every_mode_as_if_alone(tiny):
         alone.step()
     assert runs["k=2"].metrics.passes == alone.metrics.passes
     assert runs["k=2"].metrics.verified == alone.metrics.verified
+    # Plain decoding's requests all finish at the last step: its batch is full throughout.
+    assert runs["plain"].full_tokens == runs["plain"].tokens and runs["k=2"].full_tokens <= runs["k=2"].tokens
+
+
+def test_bench_lockstep_continuous_refills_the_batch(tiny):
+    """With ``in_flight``, the bench's queue feeds each mode's batch as requests finish:
+    every request still decodes what it does alone, no more than ``in_flight`` run at
+    once, and only the steps with the batch full count as full."""
+    from cluster.bench.spec import lockstep
+
+    engine, drafter = tiny
+    prompts = [_tokens(n, n) for n in (30, 41, 52, 35, 47)]
+    plain = _plain_greedy(engine, prompts, 7)
+    spec = SpeculativeDrafter(drafter, engine)
+    modes = {"plain": None, "k=2": Speculation(spec, "fixed", k=2)}
+    widths = []
+    original = Batcher.step
+
+    def step(self):
+        widths.append(len(self.running))
+        return original(self)
+
+    Batcher.step = step
+    try:
+        runs = lockstep(engine, prompts, 7, modes, seed=1, in_flight=2)
+    finally:
+        Batcher.step = original
+    for name, run in runs.items():
+        assert run.outputs == plain, name
+        assert run.tokens == 5 * 6
+        assert 0 < run.full_tokens <= run.tokens and 0 < run.full.cpu <= run.timing.cpu
+    # Plain decoding runs the requests in pairs of equal length: the fifth runs alone.
+    assert runs["plain"].full_tokens == 4 * 6 and runs["plain"].full.cpu < runs["plain"].timing.cpu
+    assert max(widths) == 2 and 1 in widths
 
 
 def _events(batcher, prompts, params):
@@ -503,6 +540,42 @@ def _events(batcher, prompts, params):
         for event in batcher.step():
             out[event.request_id].append(event)
     return [out[str(i)] for i in range(len(prompts))]
+
+
+def test_replayed_schedules_score_by_the_table():
+    """`bench spec` replays each way of choosing verify lengths on the draft states of
+    a run that verified every guess: by hand on two steps, and the oracle (verify
+    exactly what will be accepted) beats every choice that cannot see the outcome."""
+    cost = StepCost({(2, t): 1.0 + 0.1 * t for t in range(1, 4)})  # seconds: 1 + 0.1 t at R = 2
+    records = [VerifyRecord(np.array([[0.9, 0.8], [0.2, 0.1]]), np.array([2, 2]), np.array([2, 2]), np.array([2, 0])),
+               VerifyRecord(np.array([[0.9, 0.0], [0.5, 0.4]]), np.array([1, 2]), np.array([1, 2]), np.array([1, 1]))]
+    scores = replay_schedules(records, cost, fixed=(1, 2))
+    # k=1: tokens (2 + 1) + (2 + 2), time 1.2 + 1.2 (t = 2 a request); k=2: (3 + 1) + (2 + 2), time 1.3 + 1.25
+    # (room caps the first request of the second step at one guess: 5 tokens, t = 2.5; no padding in the table)
+    assert scores["k=1"] == pytest.approx(7 / 2.4) and scores["k=2"] == pytest.approx(8 / 2.55)
+    # the oracle: lengths (2, 0) then (1, 1): 4 tokens out of each step, both at t = 2
+    assert scores["oracle"] == pytest.approx(8 / 2.4)
+    assert scores["oracle"] >= max(scores.values()) - 1e-12
+    with pytest.raises(ValueError, match="did not verify"):
+        replay_schedules([VerifyRecord(records[0].survival, np.array([2, 2]), np.array([1, 2]), np.array([1, 0]))],
+                         cost, fixed=(1,))
+
+
+def test_batcher_trace_records_what_each_step_verified_and_accepted(tiny):
+    engine, drafter = tiny
+    batcher = Batcher(engine, max_batch=2, speculation=Speculation(SpeculativeDrafter(drafter, engine), "fixed", k=3))
+    batcher.trace = []
+    for i, n in enumerate((30, 41)):
+        batcher.add(str(i), SamplingParams(temperature=0.0, max_tokens=6), prompt=_tokens(n, n))
+    while batcher.running:
+        batcher.step()
+    trace = batcher.trace
+    assert len(trace) == batcher.metrics.passes
+    assert sum(int(r.accepted.sum()) for r in trace) == batcher.metrics.accepted
+    assert sum(int(r.verified.sum()) for r in trace) == batcher.metrics.verified
+    for record in trace:
+        assert np.array_equal(record.verified, np.minimum(3, record.room))  # k=3, or the room left
+        assert np.all(record.survival[np.arange(record.survival.shape[1])[None] >= record.room[:, None]] == 0)
 
 
 def test_penalties_bias_and_logprobs_are_the_same_with_speculation(tiny):

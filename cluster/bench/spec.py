@@ -9,10 +9,15 @@ model's corpus:
   scheduler) against plain, in lockstep; the speculative tokens are checked equal to
   the plain ones; acceptance length (tokens per request per backbone pass) and tokens
   per pass.
-- **batch throughput** at batch 1, 4, 16 (all requests start together): decode tokens/s
-  of the scheduler against fixed k = 1..5 and against plain decoding, over ``--repeats``
-  rounds; in each round every mode decodes the same prompts in lockstep (one step of
-  each mode in turn, see :func:`lockstep`).
+- **batch throughput** at batch 1, 4, 16: decode tokens/s of the scheduler against
+  fixed k = 1..5 and against plain decoding, over ``--repeats`` rounds; in each round
+  every mode decodes the same prompts in lockstep (one step of each mode in turn, see
+  :func:`lockstep`). Twice: as a **closed batch** (the requests start together and the
+  batch drains as they finish) and under **continuous batching** (``--waves`` requests
+  per slot queue and a finished request's slot takes the next, as the decoder serves;
+  counted while the batch is full). The two differ for the scheduler: it lets the
+  requests whose guesses are accepted run ahead, so a closed batch ends on its slow
+  requests at a small batch, which a queue refills.
 
 Decode tokens/s counts the tokens of ``step`` calls over the time spent in them (the
 first token of each request comes from its replay, the same in every mode), by the
@@ -43,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fixed", default="1,2,3,4,5", help="fixed verify lengths to compare")
     parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per request in the batch table")
     parser.add_argument("--repeats", type=int, default=2, help="rounds over all modes in the batch table (interleaved)")
+    parser.add_argument("--waves", type=int, default=4,
+                        help="continuous batching: requests queued per batch slot (batch x waves requests a round)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compiled", action="store_true",
                         help="run the compiled layer step (AOTInductor, as compiled_step serves it)")
@@ -68,12 +75,16 @@ class Run:
     timing: "Timing"
     tokens: int  # tokens out of ``step`` calls (each request's first comes from its replay)
     metrics: object  # SpecMetrics
+    full: "Timing"  # the steps taken with the batch full (``in_flight`` requests running)
+    full_tokens: int
+    trace: list | None = None  # VerifyRecords, for the mode named by lockstep's ``trace``
 
 
-def lockstep(engine, prompts, max_tokens: int, modes: dict, cost=None, seed: int = 0) -> dict[str, Run]:
-    """Decode ``prompts`` (together, greedy) once per mode, the modes' batchers taking
-    one step each in turn, in a new (seeded) random order every turn, so that no mode
-    always goes first or always follows the same neighbour.
+def lockstep(engine, prompts, max_tokens: int, modes: dict, cost=None, seed: int = 0,
+             in_flight: int | None = None, trace: str | None = None) -> dict[str, Run]:
+    """Decode ``prompts`` (greedy) once per mode, the modes' batchers taking one step
+    each in turn, in a new (seeded) random order every turn, so that no mode always
+    goes first or always follows the same neighbour.
 
     Side by side at the scale of one step, because this machine is not steady at the
     scale of a run: six back-to-back runs of the same work at batch 16 took 7.3 to
@@ -81,20 +92,33 @@ def lockstep(engine, prompts, max_tokens: int, modes: dict, cost=None, seed: int
     (0.85-0.99 in five bench runs); in lockstep the two are level, within what a second
     k=5 (the bench's control) differs from the first. ``modes`` maps names to a
     :class:`Speculation` or None (plain). With ``cost`` (a StepCost), each mode's
-    steps are also timed by the table."""
+    steps are also timed by the table.
+
+    ``in_flight``: None starts every prompt together (a closed batch, which drains as
+    its requests finish); a number runs at most that many at once, the others waiting
+    in order and joining each mode's batch as soon as one of its requests finishes
+    (continuous batching, as the decoder serves a queue). ``trace``: a mode whose
+    steps are recorded (:class:`~model.runtime.speculative.VerifyRecord`)."""
     from model.runtime.batcher import Batcher
     from model.runtime.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    batchers, outputs, timings, tokens = {}, {}, {}, {}
+    width = len(prompts) if in_flight is None else in_flight
+    batchers, outputs, waiting = {}, {}, {}
+    timings, tokens, full, full_tokens = {}, {}, {}, {}
     for name, speculation in modes.items():
-        batcher = Batcher(engine, max_batch=len(prompts), speculation=speculation)
-        outputs[name] = {str(i): [batcher.add(str(i), params, prompt=p).token_id] for i, p in enumerate(prompts)}
-        batchers[name], timings[name], tokens[name] = batcher, Timing(), 0
+        batchers[name] = Batcher(engine, max_batch=width, speculation=speculation)
+        if name == trace:
+            batchers[name].trace = []
+        outputs[name], waiting[name] = {}, list(range(len(prompts)))[::-1]
+        timings[name], tokens[name], full[name], full_tokens[name] = Timing(), 0, Timing(), 0
     names, order = list(modes), random.Random(seed)
-    while any(b.running for b in batchers.values()):
+    while any(b.running or waiting[n] for n, b in batchers.items()):
         for name in order.sample(names, len(names)):
             batcher = batchers[name]
+            while waiting[name] and batcher.can_add():  # a free slot takes the next request
+                i = waiting[name].pop()
+                outputs[name][str(i)] = [batcher.add(str(i), params, prompt=prompts[i]).token_id]
             if not batcher.running:
                 continue
             requests, verified = len(batcher.running), batcher.metrics.verified
@@ -106,10 +130,13 @@ def lockstep(engine, prompts, max_tokens: int, modes: dict, cost=None, seed: int
                 modelled = cost.seconds_per_step(requests, requests + batcher.metrics.verified - verified)
             timings[name] += Timing(wall, cpu, modelled)
             tokens[name] += len(events)
+            if requests == width:
+                full[name] += Timing(wall, cpu, modelled)
+                full_tokens[name] += len(events)
             for event in events:
                 outputs[name][event.request_id].append(event.token_id)
     return {name: Run([outputs[name][str(i)] for i in range(len(prompts))], timings[name], tokens[name],
-                      batchers[name].metrics) for name in names}
+                      batchers[name].metrics, full[name], full_tokens[name], batchers[name].trace) for name in names}
 
 
 @dataclass
@@ -127,13 +154,64 @@ class Timing:
         return Timing(self.wall + other.wall, self.cpu + other.cpu, self.modelled + other.modelled)
 
 
+@dataclass
+class BatchTable:
+    """Decode tokens/s of every mode at every batch size, over the rounds of
+    :func:`lockstep`: by the wall clock, the engine thread's CPU time and the step-cost
+    table; the scheduler over the best fixed k, median over rounds of the per-round
+    ratio (CPU time); the scheduler's verify lengths; whether every mode decoded what
+    plain decoding did."""
+
+    wall: dict[int, dict[str, float]]
+    cpu: dict[int, dict[str, float]]
+    modelled: dict[int, dict[str, float]]  # speculative modes only (plain does not draft)
+    paired: dict[int, float]
+    lengths: dict[int, dict[str, int]]
+    equal: bool
+    records: dict[int, list]  # the largest fixed k's steps (VerifyRecords)
+
+
+def _batch_table(engine, prompts, modes: dict, fixed: list[int], batches: list[int], args, cost,
+                 continuous: bool) -> BatchTable:
+    """A closed batch: ``batch`` prompts start together and the batch drains as they
+    finish (every step counted). Continuous: ``batch * args.waves`` prompts queue for
+    ``batch`` slots, each finished request's slot taken by the next; only the steps
+    with the batch full count (a server under load; the final drain is the closed
+    batch's case)."""
+    wall, cpu, modelled, paired, lengths, equal, records = {}, {}, {}, {}, {}, True, {}
+    for batch in batches:
+        records[batch] = []
+        rounds: list[dict[str, tuple[int, Timing]]] = []
+        lengths[batch] = {}
+        for round_ in range(args.repeats):
+            runs = lockstep(engine, prompts[: batch * args.waves] if continuous else prompts[:batch],
+                            args.batch_tokens, modes, cost, seed=args.seed + round_,
+                            in_flight=batch if continuous else None, trace=f"k={max(fixed)}")
+            records[batch] += runs[f"k={max(fixed)}"].trace
+            rounds.append({name: (run.full_tokens, run.full) if continuous else (run.tokens, run.timing)
+                           for name, run in runs.items()})
+            equal &= all(run.outputs == runs["plain"].outputs for run in runs.values())
+            for k, v in runs["scheduler"].metrics.verify_lengths.items():
+                lengths[batch][str(k)] = lengths[batch].get(str(k), 0) + v
+        tokens = {name: sum(r[name][0] for r in rounds) for name in modes}
+        total = {name: sum((r[name][1] for r in rounds), Timing()) for name in modes}
+        wall[batch] = {name: tokens[name] / total[name].wall for name in modes}
+        cpu[batch] = {name: tokens[name] / total[name].cpu for name in modes}
+        modelled[batch] = {name: tokens[name] / total[name].modelled for name in modes if name != "plain"}
+        best = max((f"k={k}" for k in fixed), key=lambda name: cpu[batch][name])
+        paired[batch] = statistics.median((r["scheduler"][0] / r["scheduler"][1].cpu) / (r[best][0] / r[best][1].cpu)
+                                          for r in rounds)
+        lengths[batch] = dict(sorted(lengths[batch].items(), key=lambda item: int(item[0])))
+    return BatchTable(wall, cpu, modelled, paired, lengths, equal, records)
+
+
 def run(args: argparse.Namespace) -> int:
     from cluster.cli import UserError
     from model.runtime.batcher import Speculation
     from model.config import ConfigError
     from model.runtime.engine import Engine
     from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer
-    from model.runtime.speculative import Calibration, SpecMetrics, SpeculativeDrafter, StepCost
+    from model.runtime.speculative import Calibration, SpecMetrics, SpeculativeDrafter, StepCost, replay_schedules
 
     try:
         checkpoint = load_checkpoint(args.checkpoint)
@@ -160,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     cost = StepCost.profile(engine, drafter, requests=sorted({1, *batches}), max_tokens=k_max + 1)
     profile_s = time.perf_counter() - start
     scheduled = Speculation(drafter, "scheduled", cost=cost)
-    prompts = _prompts(tokenizer, max(args.prompts, max(batches)), args.prompt_tokens, args.seed)
+    prompts = _prompts(tokenizer, max(args.prompts, max(batches) * args.waves), args.prompt_tokens, args.seed)
 
     # Single stream: one request at a time, plain and speculative in lockstep per prompt.
     plain_s = spec_s = 0.0
@@ -179,39 +257,18 @@ def run(args: argparse.Namespace) -> int:
             single.verify_lengths[length] = single.verify_lengths.get(length, 0) + count
     plain_tps, spec_tps = plain_n / plain_s, spec_n / spec_s
 
-    # Batch throughput: every mode at every batch size.
+    # Batch throughput: every mode at every batch size, as a closed batch (all start
+    # together) and under continuous batching (a queue, the batch refilled).
     # The control: the largest fixed k a second time. Identical work, so its ratio to the
     # first shows how finely this machine can tell two modes apart.
     control = f"k={max(fixed)} again"
     modes = {"plain": None, **{f"k={k}": Speculation(drafter, "fixed", k=k) for k in fixed}, "scheduler": scheduled,
              control: Speculation(drafter, "fixed", k=max(fixed))}
-    batch_equal = True
-    table: dict[int, dict[str, float]] = {}
-    cpu_table: dict[int, dict[str, float]] = {}
-    modelled_table: dict[int, dict[str, float]] = {}  # speculative modes only (plain does not draft)
-    paired: dict[int, float] = {}
-    lengths: dict[int, dict[str, int]] = {}
-    for batch in batches:
-        rounds: list[dict[str, Timing]] = []
-        tokens = {name: 0 for name in modes}
-        lengths[batch] = {}
-        for round_ in range(args.repeats):
-            runs = lockstep(engine, prompts[:batch], args.batch_tokens, modes, cost, seed=args.seed + round_)
-            rounds.append({name: run.timing for name, run in runs.items()})
-            for name, run in runs.items():
-                tokens[name] += run.tokens
-                batch_equal &= run.outputs == runs["plain"].outputs
-            for k, v in runs["scheduler"].metrics.verify_lengths.items():
-                lengths[batch][str(k)] = lengths[batch].get(str(k), 0) + v
-        total = {name: sum((r[name] for r in rounds), Timing()) for name in modes}
-        table[batch] = {name: tokens[name] / total[name].wall for name in modes}
-        cpu_table[batch] = {name: tokens[name] / total[name].cpu for name in modes}
-        modelled_table[batch] = {name: tokens[name] / total[name].modelled for name in modes if name != "plain"}
-        # Every mode emits the same tokens (greedy), so per round the speed ratio is a
-        # time ratio: the scheduler against the best fixed k (by CPU time over all rounds).
-        best = max((f"k={k}" for k in fixed), key=lambda name: cpu_table[batch][name])
-        paired[batch] = statistics.median(r[best].cpu / r["scheduler"].cpu for r in rounds)
-        lengths[batch] = dict(sorted(lengths[batch].items(), key=lambda item: int(item[0])))
+    closed = _batch_table(engine, prompts, modes, fixed, batches, args, cost, continuous=False)
+    served = _batch_table(engine, prompts, modes, fixed, batches, args, cost, continuous=True)
+    table, cpu_table, modelled_table, paired, lengths = (closed.wall, closed.cpu, closed.modelled, closed.paired,
+                                                         closed.lengths)
+    batch_equal = closed.equal and served.equal
 
     print(f"DSpark speculative decoding ({args.checkpoint}, greedy, {args.max_tokens} tokens per request; "
           f"step-cost profile {profile_s:.1f} s)")
@@ -222,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"acceptance length {single.acceptance_length:.3f} tokens per pass; guesses accepted "
           f"{single.accepted}/{single.verified}; verify lengths {single.to_dict()['verify_lengths']}")
     names = list(modes)
-    print(f"\nbatch throughput, decode tokens/s ({args.batch_tokens} tokens per request, {args.repeats} rounds)")
+    print(f"\nbatch throughput, closed batch (all start together; the batch drains as they finish), decode tokens/s "
+          f"({args.batch_tokens} tokens per request, {args.repeats} rounds)")
     ratios: dict[str, dict[int, float]] = {}
     for label, rows in (("wall clock", table), ("CPU time of the engine thread", cpu_table),
                         ("by the profiled step-cost table (the steps each mode took, timed by the table Algorithm 1 "
@@ -240,6 +298,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"control, {control} / k={max(fixed)} (the same work; 1 up to noise), wall clock: "
           + ", ".join(f"batch {b}: {table[b][control] / table[b][f'k={max(fixed)}']:.3f}" for b in batches))
     print("scheduled verify lengths: " + "; ".join(f"batch {b}: {lengths[b]}" for b in batches))
+    replayed = {}
+    if max(fixed) == k_max:  # every guess verified: any shorter choice's outcome is known
+        replayed = {b: replay_schedules(closed.records[b] + served.records[b], cost, fixed) for b in batches}
+        print(f"the choices alone: each replayed on the draft states of the k={k_max} steps above (both tables), timed "
+              "by the step-cost table (no noise, no trajectory), / best fixed k: "
+              + ", ".join(f"batch {b}: scheduler {r['scheduler'] / max(r[f'k={k}'] for k in fixed):.3f}, "
+                          f"oracle {r['oracle'] / max(r[f'k={k}'] for k in fixed):.3f}" for b, r in replayed.items()))
+    print(f"\ncontinuous batching, decode tokens/s while the batch is full ({args.waves} requests per slot queued, "
+          f"{args.batch_tokens} tokens each, {args.repeats} rounds), wall clock:")
+    served_ratio = {b: served.wall[b]["scheduler"] / max(served.wall[b][f"k={k}"] for k in fixed) for b in batches}
+    print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in names) + f"  {'sched/best k':>12}")
+    for batch in batches:
+        print(f"{batch:>5}  " + "  ".join(f"{served.wall[batch][n]:>9.2f}" for n in names)
+              + f"  {served_ratio[batch]:>12.3f}")
+    print("scheduler / best fixed k, paired over rounds (CPU time): "
+          + ", ".join(f"batch {b}: {served.paired[b]:.3f}" for b in batches)
+          + "; by the step-cost table: "
+          + ", ".join(f"batch {b}: {rows['scheduler'] / max(rows[f'k={k}'] for k in fixed):.3f}"
+                      for b, rows in served.modelled.items()))
+    print("scheduled verify lengths: " + "; ".join(f"batch {b}: {served.lengths[b]}" for b in batches))
     print(f"every mode's outputs equal plain decoding's: {batch_equal}")
     result = {
         "checkpoint": str(args.checkpoint),
@@ -260,11 +338,19 @@ def run(args: argparse.Namespace) -> int:
         "scheduler_over_best_fixed_k_modelled": {str(b): round(r, 4) for b, r in modelled_ratio.items()},
         "scheduled_verify_lengths": {str(b): lengths[b] for b in batches},
         "control_over_same_k": {str(b): round(table[b][control] / table[b][f"k={max(fixed)}"], 4) for b in batches},
+        "continuous_tokens_per_s": {str(b): {n: round(v, 3) for n, v in served.wall[b].items()} for b in batches},
+        "continuous_scheduler_over_best_fixed_k": {str(b): round(r, 4) for b, r in served_ratio.items()},
+        "continuous_scheduler_over_best_fixed_k_paired_cpu": {str(b): round(r, 4) for b, r in served.paired.items()},
+        "continuous_scheduled_verify_lengths": {str(b): served.lengths[b] for b in batches},
+        "replayed_tokens_per_s": {str(b): {n: round(v, 3) for n, v in r.items()} for b, r in replayed.items()},
+        "replayed_scheduler_over_best_fixed_k": {str(b): round(r["scheduler"] / max(r[f"k={k}"] for k in fixed), 4)
+                                                 for b, r in replayed.items()},
         "step_cost_s": cost.to_dict(),
     }
     if 16 in best_ratio:
         result["scheduler_over_best_fixed_k_batch16"] = round(best_ratio[16], 4)
         result["scheduler_over_best_fixed_k_batch16_cpu"] = round(cpu_ratio[16], 4)
+        result["continuous_scheduler_over_best_fixed_k_batch16"] = round(served_ratio[16], 4)
     if args.json:
         print(json.dumps(result))
     return 0

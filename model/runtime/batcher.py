@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..chat import Tokenizer
@@ -31,7 +32,7 @@ from .engine import DecoderInput, Engine
 from .grammar import Constraint, GrammarCompiler, apply_masks
 from .sampling import SamplingParams, StopChecker, make_generator, sample, shape_logits
 from .sequence import Sequence, TokenEvent
-from .speculative import MODES, SpecMetrics, SpeculativeDrafter, StepCost, accept_tokens, schedule
+from .speculative import MODES, SpecMetrics, SpeculativeDrafter, StepCost, VerifyRecord, accept_tokens, schedule
 
 __all__ = ["Batcher", "Speculation", "TokenEvent", "generate"]
 
@@ -69,6 +70,7 @@ class Batcher:
         self.on_finish = on_finish
         self.speculation = speculation
         self.metrics = SpecMetrics()
+        self.trace: list[VerifyRecord] | None = None  # a list: each speculative step's record is appended
         self.running: dict[str, Sequence] = {}
         self._grammars: GrammarCompiler | None = None  # built at the first request with a grammar
         image = engine.image_token_id
@@ -186,6 +188,9 @@ class Batcher:
             for (r, _, _), context in zip(extend, contexts):
                 r.context = context
         self._count(len(batch), lengths, accepted, emitted)
+        if self.trace is not None:
+            self.trace.append(VerifyRecord((drafted.survival * allowed).numpy(), allowed.sum(dim=1).numpy(),
+                                           np.array(lengths), np.array(accepted)))
         for r in finished:
             self._finish(r)
         return events

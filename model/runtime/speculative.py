@@ -580,6 +580,47 @@ def schedule(survival: torch.Tensor, cost: StepCost) -> list[int]:
     return np.bincount(rs[:admitted], minlength=r_count).tolist()
 
 
+@dataclass
+class VerifyRecord:
+    """One speculative step as the scheduler saw it and as verification came out:
+    ``survival`` [R, K] (the drafter's a_{r,j}, 0 past a request's room), the guesses
+    each request had ``room`` for (its length limit, at most K), and the guesses
+    ``verified`` and ``accepted`` [R]."""
+
+    survival: np.ndarray
+    room: np.ndarray
+    verified: np.ndarray
+    accepted: np.ndarray
+
+
+def replay_schedules(records: Sequence[VerifyRecord], cost: StepCost, fixed: Sequence[int]) -> dict[str, float]:
+    """Tokens per second, by ``cost``, of each way of choosing verify lengths on the
+    same draft states: every fixed k of ``fixed``, :func:`schedule`, and an oracle that
+    verifies exactly the guesses that will be accepted.
+
+    ``records`` must come from steps that verified every guess a request had room for
+    (a fixed k of the drafter's block size), so that any shorter choice's accepted
+    count is known: ``min(accepted, length)`` (a greedy or rejection-sampled prefix).
+    Noise-free (the table's time, not the machine's) and free of the trajectory (every
+    choice sees the same states; in a real run a choice changes which requests are
+    still running and where), it measures the choices alone."""
+    def score(choose) -> float:
+        tokens = seconds = 0.0
+        for record in records:
+            r = len(record.accepted)
+            if np.any(record.verified < record.room):
+                raise ValueError("a record that did not verify every guess with room")
+            lengths = np.minimum(np.asarray(choose(record), dtype=np.int64), record.room)
+            tokens += float((1 + np.minimum(record.accepted, lengths)).sum())
+            seconds += cost.seconds_per_step(r, int(r + lengths.sum()), int(lengths.max()) + 1)
+        return tokens / seconds
+
+    out = {f"k={k}": score(lambda record, k=k: np.full(len(record.accepted), k)) for k in fixed}
+    out["scheduler"] = score(lambda record: schedule(torch.from_numpy(record.survival), cost))
+    out["oracle"] = score(lambda record: record.accepted)
+    return out
+
+
 # ---------------------------------------------------------------------- metrics
 
 
