@@ -64,6 +64,7 @@ SUITE: tuple[Entry, ...] = (
     Entry("tools", "tools", (), "README.md: Serving; docs/training.md", _COMPUTE),
     Entry("grammar", "grammar", (), "README.md: Serving", _COMPUTE),
     Entry("spec", "spec", ("--repeats", "4"), "README.md: DSpark speculative decoding", _COMPUTE),
+    Entry("peer", "peer", (), "docs/performance.md: Against the reference", _COMPUTE),
     Entry("spec-batch16", "spec", ("--batches", "16", "--fixed", "3,4,5", "--repeats", "10"),
           "docs/benchmarks.md: DSpark speculative decoding", _COMPUTE),
     Entry("store", "store", (), "README.md: The KV store; docs/storage.md", ("disk_write_gb_s", "copy_gb_s")),
