@@ -20,7 +20,8 @@ GOLDEN = ROOT / "tests" / "golden" / "A"
 
 def test_v41_side_generates_the_references_greedy_tokens():
     prompts = json.loads((GOLDEN / "inputs.json").read_text())["prompts"]
-    expected = {r["prompt_index"]: r["new_tokens"] for r in json.loads((GOLDEN / "generation.json").read_text())["results"]}
+    results = json.loads((GOLDEN / "generation.json").read_text())["results"]
+    expected = {r["prompt_index"]: r["new_tokens"] for r in results}
     for index in (0, 2):
         out = run_v41(GOLDEN, prompts[index]["input_ids"], len(expected[index]), compiled=False)
         assert out["tokens"] == expected[index]

@@ -199,12 +199,13 @@ def run(args: argparse.Namespace) -> int:
         if missing is None:
             refs = [p["reference"] for p in pairs]
             entry["reference"] = {key: round(statistics.median(r[key] for r in refs), 4) for key in figures}
-            entry["prefill_over_reference"] = statistics.median(o["prefill_s"] / r["prefill_s"] for o, r in zip(ours, refs))
+            matched = list(zip(ours, refs))
+            entry["prefill_over_reference"] = statistics.median(o["prefill_s"] / r["prefill_s"] for o, r in matched)
             entry["decode_over_reference"] = statistics.median(o["decode_tokens_per_s"] / r["decode_tokens_per_s"]
-                                                               for o, r in zip(ours, refs))
+                                                               for o, r in matched)
             entry["rise_rss_over_reference"] = statistics.median(o["rise_rss_mb"] / max(r["rise_rss_mb"], 1e-9)
-                                                                 for o, r in zip(ours, refs))
-            entry["greedy_agreement"] = statistics.median(_agreement(o["tokens"], r["tokens"]) for o, r in zip(ours, refs))
+                                                                 for o, r in matched)
+            entry["greedy_agreement"] = statistics.median(_agreement(o["tokens"], r["tokens"]) for o, r in matched)
             line += (f"  {entry['prefill_over_reference']:>11.3f}  {entry['decode_over_reference']:>10.3f}  "
                      f"{entry['rise_rss_over_reference']:>9.3f}  {entry['greedy_agreement']:>6.2f}")
         result["lengths"][str(length)] = entry
