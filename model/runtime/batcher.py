@@ -189,7 +189,7 @@ class Batcher:
                 r.context = context
         self._count(len(batch), lengths, accepted, emitted)
         if self.trace is not None:
-            self.trace.append(VerifyRecord((drafted.survival * allowed).numpy(), allowed.sum(dim=1).numpy(),
+            self.trace.append(VerifyRecord((drafted.survival.cpu() * allowed).numpy(), allowed.sum(dim=1).numpy(),
                                            np.array(lengths), np.array(accepted)))
         for r in finished:
             self._finish(r)
