@@ -233,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
     k_max = drafter.block_size
     if any(not 1 <= k <= k_max for k in fixed):
         raise UserError(f"--fixed lengths must be in 1..{k_max}")
+    if args.waves < 1 or args.repeats < 1:
+        raise UserError("--waves and --repeats must be at least 1")
 
     start = time.perf_counter()
     cost = StepCost.profile(engine, drafter, requests=sorted({1, *batches}), max_tokens=k_max + 1)
