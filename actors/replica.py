@@ -30,8 +30,7 @@ class ModelIdentity:
         self.tokenizer = Tokenizer.from_dir(config.model, noise_token_id=text.dspark_noise_token_id)
         identity = StateIdentity.of(text, weights_digest(config.model), self.tokenizer.fingerprint)
         self.naming = StateNaming.of(identity, text, config.chunk_tokens)
-        eos = text.eos_token_id
-        self.eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
+        self.eos_ids = text.eos_ids
 
 
 class ModelBundle(ModelIdentity):

@@ -289,6 +289,12 @@ class TextConfig:
 
     # ------------------------------------------------------------------ derived
     @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """``eos_token_id`` as a tuple of ids (none, one or several)."""
+        eos = self.eos_token_id
+        return tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
+
+    @property
     def decoder_start(self) -> int:
         """First layer of the CED decoder half, the layers the decoder pool replays over a
         prompt's tail.

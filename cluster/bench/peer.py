@@ -61,7 +61,7 @@ def prompt_ids(config, length: int, seed: int) -> list[int]:
     import torch
 
     text = config.text
-    specials = {text.bos_token_id, text.pad_token_id, config.image_token_id, *_eos(text)}
+    specials = {text.bos_token_id, text.pad_token_id, config.image_token_id, *text.eos_ids}
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, text.vocab_size, (2 * length,), generator=generator).tolist()
     ordinary = [i for i in ids if i not in specials][: length - 1]
@@ -89,10 +89,9 @@ def run_v41(checkpoint: Path, ids: list[int], new_tokens: int, compiled: bool) -
     engine = Engine(model, load_hasher(checkpoint, config), compiled=compiled)
     if engine.compiled is not None:
         engine.warm_compiled()
-    eos = _eos(config.text)
 
     def generate(prompt: list[int], n: int) -> tuple[float, float, list[int]]:
-        batcher = Batcher(engine, max_batch=1, eos_token_ids=eos)
+        batcher = Batcher(engine, max_batch=1, eos_token_ids=config.text.eos_ids)
         start = time.perf_counter()
         tokens = [batcher.add("0", SamplingParams(temperature=0.0, max_tokens=n), prompt=prompt).token_id]
         first = time.perf_counter()
@@ -127,12 +126,6 @@ def run_reference(checkpoint: Path, ids: list[int], new_tokens: int) -> dict:
     prefill_s, _ = generate(ids, 1)
     total_s, tokens = generate(ids, new_tokens)
     return _figures(prefill_s, max(total_s - prefill_s, 1e-9), tokens, loaded)
-
-
-def _eos(text) -> tuple[int, ...]:
-    """A text config's EOS ids."""
-    eos = text.eos_token_id
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 def _figures(prefill_s: float, decode_s: float, tokens: list[int], loaded_mb: float) -> dict:

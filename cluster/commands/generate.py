@@ -50,9 +50,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = read_id_lists(args.ids, config.text.vocab_size)
     engine = Engine(model, hasher, bounded_replay=not args.exact_replay)
-    eos = config.text.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
-    tokens = generate(engine, prompts, params, eos_token_ids=eos_ids)
+    tokens = generate(engine, prompts, params, eos_token_ids=config.text.eos_ids)
     texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
     if args.json:
         print(json.dumps({"tokens": tokens, "text": texts}))
