@@ -205,6 +205,22 @@ def _batch_table(engine, prompts, modes: dict, fixed: list[int], batches: list[i
     return BatchTable(wall, cpu, modelled, paired, lengths, equal, records)
 
 
+def _over_best(row: dict[str, float], fixed: list[int], name: str = "scheduler") -> float:
+    """``row[name]`` over the best fixed k's figure in the same row."""
+    return row[name] / max(row[f"k={k}"] for k in fixed)
+
+
+def _print_rows(rows: dict[int, dict[str, float]], names: list[str], fixed: list[int]) -> dict[int, float]:
+    """A table of tokens/s by batch (the modes of ``names`` that ``rows`` has) with the
+    scheduler over the best fixed k; returns those ratios."""
+    shown = [n for n in names if n in next(iter(rows.values()))]
+    ratios = {b: _over_best(row, fixed) for b, row in rows.items()}
+    print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in shown) + f"  {'sched/best k':>12}")
+    for batch, row in rows.items():
+        print(f"{batch:>5}  " + "  ".join(f"{row[n]:>9.2f}" for n in shown) + f"  {ratios[batch]:>12.3f}")
+    return ratios
+
+
 def run(args: argparse.Namespace) -> int:
     from cluster.cli import UserError
     from model.runtime.batcher import Speculation
@@ -287,13 +303,8 @@ def run(args: argparse.Namespace) -> int:
     for label, rows in (("wall clock", table), ("CPU time of the engine thread", cpu_table),
                         ("by the profiled step-cost table (the steps each mode took, timed by the table Algorithm 1 "
                          "reads)", modelled_table)):
-        shown = [n for n in names if n in rows[batches[0]]]
-        ratios[label] = {b: rows[b]["scheduler"] / max(rows[b][f"k={k}"] for k in fixed) for b in batches}
         print(f"{label}:")
-        print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in shown) + f"  {'sched/best k':>12}")
-        for batch in batches:
-            print(f"{batch:>5}  " + "  ".join(f"{rows[batch][n]:>9.2f}" for n in shown)
-                  + f"  {ratios[label][batch]:>12.3f}")
+        ratios[label] = _print_rows(rows, names, fixed)
     best_ratio, cpu_ratio, modelled_ratio = ratios.values()
     print("scheduler / best fixed k, median over rounds of the paired CPU-time ratio: "
           + ", ".join(f"batch {b}: {paired[b]:.3f}" for b in batches))
@@ -305,20 +316,15 @@ def run(args: argparse.Namespace) -> int:
         replayed = {b: replay_schedules(closed.records[b] + served.records[b], cost, fixed) for b in batches}
         print(f"the choices alone: each replayed on the draft states of the k={k_max} steps above (both tables), timed "
               "by the step-cost table (no noise, no trajectory), / best fixed k: "
-              + ", ".join(f"batch {b}: scheduler {r['scheduler'] / max(r[f'k={k}'] for k in fixed):.3f}, "
-                          f"oracle {r['oracle'] / max(r[f'k={k}'] for k in fixed):.3f}" for b, r in replayed.items()))
+              + ", ".join(f"batch {b}: scheduler {_over_best(r, fixed):.3f}, "
+                          f"oracle {_over_best(r, fixed, 'oracle'):.3f}" for b, r in replayed.items()))
     print(f"\ncontinuous batching, decode tokens/s while the batch is full ({args.waves} requests per slot queued, "
           f"{args.batch_tokens} tokens each, {args.repeats} rounds), wall clock:")
-    served_ratio = {b: served.wall[b]["scheduler"] / max(served.wall[b][f"k={k}"] for k in fixed) for b in batches}
-    print(f"{'batch':>5}  " + "  ".join(f"{n:>9}" for n in names) + f"  {'sched/best k':>12}")
-    for batch in batches:
-        print(f"{batch:>5}  " + "  ".join(f"{served.wall[batch][n]:>9.2f}" for n in names)
-              + f"  {served_ratio[batch]:>12.3f}")
+    served_ratio = _print_rows(served.wall, names, fixed)
     print("scheduler / best fixed k, paired over rounds (CPU time): "
           + ", ".join(f"batch {b}: {served.paired[b]:.3f}" for b in batches)
           + "; by the step-cost table: "
-          + ", ".join(f"batch {b}: {rows['scheduler'] / max(rows[f'k={k}'] for k in fixed):.3f}"
-                      for b, rows in served.modelled.items()))
+          + ", ".join(f"batch {b}: {_over_best(rows, fixed):.3f}" for b, rows in served.modelled.items()))
     print("scheduled verify lengths: " + "; ".join(f"batch {b}: {served.lengths[b]}" for b in batches))
     print(f"every mode's outputs equal plain decoding's: {batch_equal}")
     result = {
@@ -345,8 +351,7 @@ def run(args: argparse.Namespace) -> int:
         "continuous_scheduler_over_best_fixed_k_paired_cpu": {str(b): round(r, 4) for b, r in served.paired.items()},
         "continuous_scheduled_verify_lengths": {str(b): served.lengths[b] for b in batches},
         "replayed_tokens_per_s": {str(b): {n: round(v, 3) for n, v in r.items()} for b, r in replayed.items()},
-        "replayed_scheduler_over_best_fixed_k": {str(b): round(r["scheduler"] / max(r[f"k={k}"] for k in fixed), 4)
-                                                 for b, r in replayed.items()},
+        "replayed_scheduler_over_best_fixed_k": {str(b): round(_over_best(r, fixed), 4) for b, r in replayed.items()},
         "step_cost_s": cost.to_dict(),
     }
     if 16 in best_ratio:
