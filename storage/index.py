@@ -7,9 +7,10 @@ set's own Redis TTL is the longest retention of any tier, so a forgotten set van
 (One string key per copy would need a SCAN to find an object's copies, and hash fields
 have no TTL before Redis 7.4.)
 
-Nodes never write to Redis on the request path. ``IndexPublisher`` queues updates,
-coalesced per (object, tier) and bounded, and a background thread sends them in
-pipelined batches. While Redis is unreachable the queue keeps the latest state; if it
+``IndexPublisher`` queues a node's updates, coalesced per (object, tier) and bounded,
+and a background thread sends them in pipelined batches; the one write on the request
+path is a finished conversation's, flushed at once (one round trip) so that the next
+turn finds it. While Redis is unreachable the queue keeps the latest state; if it
 overflows, or Redis comes back empty (a new server run id), the node republishes
 everything it holds.
 """
@@ -84,7 +85,15 @@ class RedisIndex:
 
     def apply(self, updates: Sequence[IndexUpdate], now: float) -> bool | None:
         """Write ``updates`` in one pipeline; True when done, None when Redis is unreachable."""
-        def write(client: redis.Redis) -> bool:
+        if not updates:
+            return True
+        return None if self.apply_and_identify(updates, now) is None else True
+
+    def apply_and_identify(self, updates: Sequence[IndexUpdate], now: float) -> str | None:
+        """Write ``updates`` and ask the server's run id, in one round trip: the run id
+        (which changes when Redis restarts and forgets everything), or None when Redis
+        is unreachable."""
+        def write(client: redis.Redis) -> str:
             pipe = client.pipeline(transaction=False)
             for update in updates:
                 name = self._name(update.hex)
@@ -94,10 +103,10 @@ class RedisIndex:
                     pipe.zadd(name, {update.location.member: update.expires})
                     pipe.zremrangebyscore(name, "-inf", now)
                     pipe.pexpire(name, self._key_ttl_ms)
-            pipe.execute()
-            return True
+            pipe.info("server")
+            return str(pipe.execute()[-1]["run_id"])
 
-        return self._link.run(write) if updates else True
+        return self._link.run(write)
 
     def locate(self, keys: Sequence[ObjectKey], now: float) -> list[tuple[Location, ...]] | None:
         """The live copies of each key, in order; None when Redis is unreachable."""
@@ -120,12 +129,6 @@ class RedisIndex:
             locations = (Location.from_member(member.decode()) for member in members)
             result.append(tuple(sorted(location for location in locations if location is not None)))
         return result
-
-    def server_id(self) -> str | None:
-        """The Redis server's run id, which changes when it restarts (and forgets everything)."""
-        info = self._link.run(lambda client: client.info("server"))
-        return str(info["run_id"]) if info else None
-
 
 Snapshot = Callable[[], Iterable[tuple[ObjectKey, Location, float]]]
 
@@ -196,29 +199,33 @@ class IndexPublisher:
     # -- sending (background thread, or ``flush`` from the caller) ---------------------
 
     def flush(self) -> bool:
-        """Send what is queued now; True when Redis holds this node's current state."""
+        """Send what is queued now; True when Redis holds this node's current state.
+
+        The queued updates and the server's run id go in one round trip (a finished
+        request waits for this); only when Redis is new to this node (a restart, or
+        updates were dropped) does a second one republish everything it holds."""
         with self._flush_lock:
-            server = self._index.server_id()
-            if server is None:
-                return False
             with self._lock:
-                resync = self._lost or server != self._server
                 batch = list(self._pending.items())
                 self._pending.clear()
-                self._lost = False
+                lost, self._lost = self._lost, False
             now = self._clock()
             updates = [IndexUpdate(hex_digest, location, expires) for (hex_digest, location), expires in batch]
+            server = self._index.apply_and_identify(updates, now)
+            resync = server is not None and (lost or server != self._server)
             if resync:
-                queued = {(u.hex, u.location) for u in updates}
-                updates += [IndexUpdate(key.hex, location, expires) for key, location, expires in self._snapshot()
-                            if (key.hex, location) not in queued and expires > now]
-            if self._index.apply(updates, now) is None:
+                sent = {(u.hex, u.location) for u in updates}
+                again = [IndexUpdate(key.hex, location, expires) for key, location, expires in self._snapshot()
+                         if (key.hex, location) not in sent and expires > now]
+                if self._index.apply(again, now) is None:
+                    server = None
+            if server is None:
                 with self._lock:
                     for slot, expires in batch:  # newer records win over the failed batch
                         if slot not in self._pending:
                             self._pending[slot] = expires
                             self._pending.move_to_end(slot, last=False)
-                    self._lost = self._lost or resync or len(self._pending) > self._max_pending
+                    self._lost = self._lost or lost or resync or len(self._pending) > self._max_pending
                     while len(self._pending) > self._max_pending:
                         self._pending.popitem(last=False)
                 return False

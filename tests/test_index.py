@@ -49,3 +49,42 @@ def test_locate_answers_live_copies_in_order_by_script_and_by_pipeline(redis_ser
     assert piped.locate(KEYS, now) == expected
     assert piped._link.errors == 0  # refusing the script is not Redis being away
     assert scripted.locate([], now) == []
+
+
+def test_a_flush_is_one_round_trip_and_a_new_server_gets_everything_again(redis_server: RedisServer,  # noqa: F811
+                                                                            monkeypatch) -> None:
+    """A finished request waits for the publisher's flush: its updates and the server's
+    run id go in one pipeline. Told the server is new (as after a restart), the next
+    flush republishes every live entry the node holds, in a second one."""
+    from storage.index import IndexPublisher
+
+    index = _index(redis_server.url, "flush")
+    a = Location("n1", TierName.RAM)
+    now = time.time()
+    held = [(KEYS[0], a, now + 60), (KEYS[1], a, now + 60), (KEYS[2], a, now - 1)]  # the last one has expired
+    publisher = IndexPublisher(index, time.time, lambda: held, max_pending=100, touch_interval_s=60,
+                               heartbeat_s=3600)
+    round_trips = []  # the commands of each pipeline sent
+    execute = redis.client.Pipeline.execute
+
+    def counted(pipe, *args, **kwargs):
+        round_trips.append(len(pipe.command_stack))
+        return execute(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", counted)
+    try:
+        publisher.close()  # its thread stops, and flushes: the first flush, to a Redis new to this node
+        assert len(round_trips) == 2 and publisher.resyncs == 1
+        assert index.locate(KEYS[:3], time.time()) == [(a,), (a,), ()]
+        round_trips.clear()
+        publisher.added(KEYS[3], a, now + 60)
+        assert publisher.flush()
+        assert round_trips == [4]  # zadd, trim, expire, info: one round trip
+        assert index.locate(KEYS[3:4], time.time()) == [(a,)]
+        index._link.client.delete(index._name(KEYS[0].hex))
+        publisher._server = "an earlier run"  # as if Redis had restarted empty
+        round_trips.clear()
+        assert publisher.flush() and publisher.resyncs == 2 and len(round_trips) == 2
+        assert index.locate(KEYS[:1], time.time()) == [(a,)]
+    finally:
+        publisher.close()
