@@ -97,36 +97,57 @@ def test_compiled_verify_and_accept_agree_with_eager(engines, golden_prompts, se
         assert want.shape == got.shape and (want - got).abs().max() < 1e-4
 
 
-def test_a_long_step_runs_the_eager_blocks(engines, golden_prompts):
-    """A prefill is more tokens than the compiled step takes: the eager blocks run it,
-    and the two engines encode a prompt to the same bytes."""
-    _, compiled = engines
-    assert not compiled.compiled.handles(len(golden_prompts[2]))
+def test_a_long_prefill_runs_the_compiled_blocks_in_chunks(engines, golden_prompts, monkeypatch):
+    """A prompt longer than the compiled step takes is encoded in chunks it takes, each
+    through the compiled blocks; the caches carry over between chunks exactly, so the
+    two engines encode the prompt to the same bytes and the replay's logits agree."""
+    compiled = engines[1]
+    prompt = golden_prompts[2]
+    steps = []
+    call = type(compiled.compiled).__call__
+
+    def counted(self, block, streams, *args, **kwargs):
+        steps.append(streams.shape[0])
+        return call(self, block, streams, *args, **kwargs)
+
+    monkeypatch.setattr(type(compiled.compiled), "__call__", counted)
+    assert len(prompt) > compiled.compiled.max_tokens
     caches = [engine.new_cache() for engine in engines]
-    for engine, cache in zip(engines, caches):
-        engine.prefill(cache, golden_prompts[2])
+    logits = [engine.replay(cache, engine.prefill(cache, prompt)) for engine, cache in zip(engines, caches)]
+    chunks = [min(compiled.compiled.max_tokens, len(prompt) - lo)
+              for lo in range(0, len(prompt), compiled.compiled.max_tokens)]
+    encoder = compiled.config.decoder_start
+    assert steps[: encoder * len(chunks)] == [n for n in chunks for _ in range(encoder)]
     for source in caches[0].entries:
         assert torch.equal(caches[0].entries[source].data, caches[1].entries[source].data)
+    assert (logits[0] - logits[1]).abs().max() < 1e-4
 
 
-def test_compiled_step_is_an_app_setting_the_decoder_pool_warms_at_start(golden_dir, golden_prompts):
-    """`compiled_step: true` gives the decoder replicas a compiled engine, warmed before
-    anything is timed or served; the prefill pool (encoder half) keeps the eager one."""
+def test_compiled_step_is_an_app_setting_both_pools_warm_at_start(golden_dir, golden_prompts):
+    """`compiled_step: true` gives the decoder replicas a compiled engine and the prefill
+    replicas (encoder half) one that encodes in compiled chunks, each warmed before
+    anything is timed or served: requests build nothing. The prefill pool's compiled
+    engine encodes the prompts to the bytes the eager one does."""
     from actors.replica import ModelBundle
     from cluster.config import AppConfig
 
     config = AppConfig(model=str(golden_dir), compiled_step=True, ssd_dir=None)
-    decoder = ModelBundle(config)
-    assert decoder.engine.compiled is not None
-    assert ModelBundle(config, drop_decoder=True).engine.compiled is None
-    assert ModelBundle(AppConfig(model=str(golden_dir), ssd_dir=None)).engine.compiled is None
+    decoder, prefill = ModelBundle(config), ModelBundle(config, drop_decoder=True)
+    eager = ModelBundle(AppConfig(model=str(golden_dir), ssd_dir=None), drop_decoder=True)
+    assert decoder.engine.compiled is not None and prefill.engine.compiled is not None
+    assert eager.engine.compiled is None
+    # (draft_attention is the DSpark drafter's, warmed with it; the golden model has none)
+    functions = [f for engine in (decoder.engine, prefill.engine)
+                 for name, f in engine.compiled.functions.items() if name != "draft_attention"]
+    variants = [len(function._variants) for function in functions]
+    assert all(variants)
     caches = [decoder.engine.new_cache() for _ in range(3)]
     for cache, prompt in zip(caches, golden_prompts):
         decoder.engine.replay(cache, decoder.engine.prefill(cache, prompt))
-    # (draft_attention is the DSpark drafter's, warmed with it; the golden model has none)
-    functions = [f for name, f in decoder.engine.compiled.functions.items() if name != "draft_attention"]
-    variants = [len(function._variants) for function in functions]
-    assert all(variants)
+        encoded, want = prefill.engine.new_cache(), eager.engine.new_cache()
+        prefill.engine.prefill(encoded, prompt)
+        eager.engine.prefill(want, prompt)
+        assert all(torch.equal(encoded.entries[s].data, want.entries[s].data) for s in want.entries)
     decoder.engine.decode([(caches[0], [42])])
     decoder.engine.decode([(cache, [43]) for cache in caches])
     decoder.engine.decode([(caches[1], list(range(100, 120)))])  # the MoE's other form

@@ -14,8 +14,12 @@ On a small config whose window and top-k are small against the context (by defau
   decoder's memory projected from the encoder output, the decoder replaying the last
   window) against the full-depth path (every layer over every token), alternated
   in one run.
+- **compiled against eager** on trained weights (``--checkpoint``, configs/small):
+  decode tokens/s at batch 1 and 16, and prefill of 300 / 2,000 / 8,000 tokens (the
+  compiled engine encodes in chunks its compiled step takes), paired rounds.
 
-Weights are random (speed does not depend on them). Times are medians.
+Weights are random (speed does not depend on them) except in the compiled comparison.
+Times are medians.
 """
 
 from __future__ import annotations
@@ -133,7 +137,9 @@ def greedy_decode_rate(engine, prompts: list[list[int]], steps: int) -> tuple[fl
 def _compiled_vs_eager(args: argparse.Namespace) -> dict:
     """Decode tokens/s of the compiled layer step against the eager one on trained
     weights, at batch 1 and 16: rounds alternate the two (paired), each from fresh
-    caches after a 300-token prompt; the ratio is the median of the rounds' ratios."""
+    caches after a 300-token prompt; the ratio is the median of the rounds' ratios.
+    Then the prefill of seeded prompts of 300 / 2,000 / 8,000 tokens the same way (the
+    ratio: eager seconds over compiled seconds)."""
     import torch
 
     from model.engram import EngramLayout, NgramHasher
@@ -180,7 +186,26 @@ def _compiled_vs_eager(args: argparse.Namespace) -> dict:
     print(f"{'batch':>6}  {'eager tok/s':>11}  {'compiled tok/s':>14}  {'ratio':>6}  {'same tokens':>11}")
     for batch, (eager_rate, fast_rate, ratio, same) in rows.items():
         print(f"{batch:>6}  {eager_rate:>11.1f}  {fast_rate:>14.1f}  {ratio:>6.2f}  {same!s:>11}")
+    # Prefill: the compiled engine encodes in chunks its compiled step takes; the eager
+    # one in chunks of prefill_chunk (1,024) through the eager blocks.
+    print(f"\nprefill (encoder half), seconds, paired rounds\n{'tokens':>6}  {'eager s':>8}  {'compiled s':>10}  "
+          f"{'eager/compiled':>14}")
+    for length in (300, 2000, 8000):
+        prompt = torch.randint(16, config.text.vocab_size, (length,), generator=generator).tolist()
+        pairs = [(_prefill_s(eager, prompt), _prefill_s(fast, prompt)) for _ in range(args.rounds)]
+        ratio = statistics.median(e / f for e, f in pairs)  # the speed-up, as the decode ratios
+        eager_s, fast_s = statistics.median(e for e, _ in pairs), statistics.median(f for _, f in pairs)
+        out[f"prefill_s_{length}"] = {"eager": round(eager_s, 4), "compiled": round(fast_s, 4)}
+        out[f"fast_over_eager_prefill_{length}"] = round(ratio, 3)
+        print(f"{length:>6}  {eager_s:>8.3f}  {fast_s:>10.3f}  {ratio:>14.2f}")
     return out
+
+
+def _prefill_s(engine, prompt: list[int]) -> float:
+    cache = engine.new_cache()
+    started = time.perf_counter()
+    engine.prefill(cache, prompt)
+    return time.perf_counter() - started
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -246,7 +246,14 @@ class Engine:
         """Compile the layer step for one token, for several, and for as many as it takes
         (the MoE's other form), with long-range groups completing: throwaway decodes of
         one sequence, of two, and of the most tokens a compiled step runs, so that no
-        request pays for it."""
+        request pays for it. An encoder-only model (a prefill replica's) warms the
+        prefill's chunks the same way."""
+        if self.model.lm_head is None:
+            cache = self.new_cache()
+            self.prefill(cache, [3, 4, 5])
+            self.prefill(cache, [6])
+            self.prefill(cache, [8 + i % 64 for i in range(self.compiled.max_tokens)])
+            return
         caches = [self.new_cache() for _ in range(2)]
         for cache in caches:
             self.replay(cache, self.prefill(cache, [3, 4, 5]))
@@ -268,11 +275,14 @@ class Engine:
         """Encoder half over ``token_ids`` (positions ``cache.length`` on) + CED projection.
 
         Long prompts run in chunks of ``prefill_chunk`` tokens (the caches carry over
-        between chunks exactly). ``engram_rows`` is an optional thunk returning, per
-        Engram layer, rows [n, cols, head_dim] for these tokens (a remote table
-        service); it is called right before the first Engram layer. Without it the
-        model's tables are read. ``images``: the spans of the prompt's images (those
-        that do not reach these tokens are not embedded).
+        between chunks exactly); a compiled engine's in chunks its compiled step takes,
+        so that they run through the compiled blocks (a prompt without images; faster
+        than the eager blocks over longer chunks: docs/performance.md).
+        ``engram_rows`` is an optional thunk returning, per Engram layer, rows
+        [n, cols, head_dim] for these tokens (a remote table service); it is called
+        right before the first Engram layer. Without it the model's tables are read.
+        ``images``: the spans of the prompt's images (those that do not reach these
+        tokens are not embedded).
         """
         device = self.model.embed.weight.device
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
@@ -284,8 +294,11 @@ class Engine:
         pending_rows = engram_rows
         rows: dict[int, torch.Tensor] | None = None
         outputs = []
-        for lo in range(0, len(token_ids), self.prefill_chunk):
-            hi = min(len(token_ids), lo + self.prefill_chunk)
+        chunk = self.prefill_chunk
+        if self.compiled is not None and image_mask is None:
+            chunk = min(chunk, self.compiled.max_tokens)
+        for lo in range(0, len(token_ids), chunk):
+            hi = min(len(token_ids), lo + chunk)
             streams, pre = self.model.streams_of(x[lo:hi])
             segment = [_Segment(cache, positions[lo:hi], 0, hi - lo)]
             mask = None if image_mask is None else image_mask[lo:hi]
