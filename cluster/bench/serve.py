@@ -8,8 +8,9 @@ tiers), then measures through HTTP:
 - **returning turn**: a conversation with a long history (``--history`` tokens) is
   answered once; its next turn (history + answer + a short message) is timed to
   first token (the median of ``--returning`` such turns, each resuming from turn one,
-  with the median Server-Timing stages of the same turns non-streamed), against a
-  cold run of a prompt of the same shape that nothing cached;
+  with the median Server-Timing stages of the same turns non-streamed), against
+  cold runs of prompts of the same shape that nothing cached (the median of
+  ``--cold``);
 - **Serve overhead**: the latency of a one-token request through HTTP minus the time
   the replicas spent computing it (prefill, handoff, replay, sample; reported by the
   router in the ``x-v41-replica-ms`` header), p50, for a short new prompt (encoded by
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--history", type=int, default=16384, help="history tokens of the returning turn")
     parser.add_argument("--repeats", type=int, default=40, help="overhead repetitions")
     parser.add_argument("--returning", type=int, default=7, help="returning turns timed (median)")
+    parser.add_argument("--cold", type=int, default=3, help="cold runs of the same shape timed (median)")
     parser.add_argument("--compiled-step", action="store_true", help="both pools run the compiled step")
 
 
@@ -114,14 +116,17 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
             response = await session.post(chat, json={**short, "max_tokens": 1, "messages": turn_one + follow})
             await response.read()
             stages.append(parse_server_timing(response.headers.get("server-timing", ""))[0])
-        cold_prompt = [{"role": "user", "content": _history_text(tokenizer, args.history, "b")}] + follow
-        cold = await _stream(session, chat, {**short, "messages": cold_prompt})
+        colds = []  # prompts of the same shape that nothing cached (each its own nonce)
+        for i in range(args.cold):
+            cold_prompt = [{"role": "user", "content": _history_text(tokenizer, args.history, f"b{i}")}] + follow
+            colds.append(await _stream(session, chat, {**short, "messages": cold_prompt}))
         results["returning"] = {"ttft_s": statistics.median(ttfts), "ttft_s_all": ttfts,
                                 "stages_ms_p50": {k: round(statistics.median(s.get(k, 0.0) for s in stages), 2)
                                                   for k in stages[0]},
                                 "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
                                 "prompt_tokens": usage.get("prompt_tokens", 0)}
-        results["cold"] = {"ttft_s": cold[0], "prompt_tokens": cold[3].get("prompt_tokens", 0)}
+        results["cold"] = {"ttft_s": statistics.median(c[0] for c in colds), "ttft_s_all": [c[0] for c in colds],
+                           "prompt_tokens": colds[-1][3].get("prompt_tokens", 0)}
     return results
 
 
@@ -193,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or default_model()
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
+    for name in ("repeats", "returning", "cold"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
     tokenizer = Tokenizer.from_dir(model)
     in_process = _in_process_one_token(model, args.repeats)
     port = free_port()
@@ -218,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nreturning turn: TTFT p50 {results['returning']['ttft_s']:.3f} s over {args.returning} turns "
           f"({results['returning']['cached_tokens']} of {results['returning']['prompt_tokens']} prompt tokens cached); "
           "stages (p50 ms): " + ", ".join(f"{k} {v:.1f}" for k, v in results["returning"]["stages_ms_p50"].items()))
-    print(f"cold run:       TTFT {results['cold']['ttft_s']:.3f} s ({results['cold']['prompt_tokens']} prompt tokens)")
+    print(f"cold run:       TTFT p50 {results['cold']['ttft_s']:.3f} s over {args.cold} runs "
+          f"({results['cold']['prompt_tokens']} prompt tokens)")
     print(f"returning / cold TTFT: {ratio:.4f}")
     print(f"\none-token request, short new prompt: HTTP p50 {1e3 * http_p50:.1f} ms; compute inside the replicas "
           f"p50 {1e3 * statistics.median(short['replica_s']):.1f} ms; the same request in-process (before Ray "
