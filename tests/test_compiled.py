@@ -123,25 +123,31 @@ def test_a_long_prefill_runs_the_compiled_blocks_in_chunks(engines, golden_promp
     assert (logits[0] - logits[1]).abs().max() < 1e-4
 
 
-def test_compiled_step_is_an_app_setting_the_decoder_pool_warms_at_start(golden_dir, golden_prompts):
-    """`compiled_step: true` gives the decoder replicas a compiled engine, warmed before
-    anything is timed or served: prefills (in compiled chunks) and decodes build
-    nothing; the prefill pool (encoder half) keeps the eager one."""
+def test_compiled_step_is_an_app_setting_both_pools_warm_at_start(golden_dir, golden_prompts):
+    """`compiled_step: true` gives the decoder replicas a compiled engine and the prefill
+    replicas (encoder half) one that encodes in compiled chunks, each warmed before
+    anything is timed or served: requests build nothing. The prefill pool's compiled
+    engine encodes the prompts to the bytes the eager one does."""
     from actors.replica import ModelBundle
     from cluster.config import AppConfig
 
     config = AppConfig(model=str(golden_dir), compiled_step=True, ssd_dir=None)
-    decoder = ModelBundle(config)
-    assert decoder.engine.compiled is not None
-    assert ModelBundle(config, drop_decoder=True).engine.compiled is None
-    assert ModelBundle(AppConfig(model=str(golden_dir), ssd_dir=None)).engine.compiled is None
+    decoder, prefill = ModelBundle(config), ModelBundle(config, drop_decoder=True)
+    eager = ModelBundle(AppConfig(model=str(golden_dir), ssd_dir=None), drop_decoder=True)
+    assert decoder.engine.compiled is not None and prefill.engine.compiled is not None
+    assert eager.engine.compiled is None
     # (draft_attention is the DSpark drafter's, warmed with it; the golden model has none)
-    functions = [f for name, f in decoder.engine.compiled.functions.items() if name != "draft_attention"]
+    functions = [f for engine in (decoder.engine, prefill.engine)
+                 for name, f in engine.compiled.functions.items() if name != "draft_attention"]
     variants = [len(function._variants) for function in functions]
     assert all(variants)
     caches = [decoder.engine.new_cache() for _ in range(3)]
     for cache, prompt in zip(caches, golden_prompts):
         decoder.engine.replay(cache, decoder.engine.prefill(cache, prompt))
+        encoded, want = prefill.engine.new_cache(), eager.engine.new_cache()
+        prefill.engine.prefill(encoded, prompt)
+        eager.engine.prefill(want, prompt)
+        assert all(torch.equal(encoded.entries[s].data, want.entries[s].data) for s in want.entries)
     decoder.engine.decode([(caches[0], [42])])
     decoder.engine.decode([(cache, [43]) for cache in caches])
     decoder.engine.decode([(caches[1], list(range(100, 120)))])  # the MoE's other form

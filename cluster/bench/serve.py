@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=40, help="overhead repetitions")
     parser.add_argument("--returning", type=int, default=7, help="returning turns timed (median)")
     parser.add_argument("--cold", type=int, default=3, help="cold runs of the same shape timed (median)")
-    parser.add_argument("--compiled-step", action="store_true", help="the decoder pool runs the compiled step")
+    parser.add_argument("--compiled-step", action="store_true", help="both pools run the compiled step")
 
 
 async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dict]:

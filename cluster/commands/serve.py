@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-replay", action="store_true", default=None,
                         help="replay whole prompts through the decoder")
     parser.add_argument("--compiled-step", action="store_true", default=None,
-                        help="run each layer's per-token work compiled in the decoder pool (AOTInductor, built at start)")
+                        help="run each layer's per-token work compiled in both pools (AOTInductor, built at start)")
     for pool in ("decoder", "prefill"):
         parser.add_argument(f"--{pool}-experts", type=int, default=None, metavar="N",
                             help=f"split each {pool} replica over N workers sharing the routed experts (default 1)")

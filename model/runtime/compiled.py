@@ -207,7 +207,8 @@ class CompiledBlocks:
         config = model.config
         self._mhc = (config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
         self._weights: dict[int, tuple] = {}
-        self.add_blocks(model.layers)
+        # (an encoder-only model, a prefill replica's, has no decoder blocks to run)
+        self.add_blocks([block for block in model.layers if isinstance(block, Block) and block.ffn is not None])
 
     def add_blocks(self, blocks) -> None:
         """Make ``blocks`` runnable here (the model's at construction; a DSpark drafter's

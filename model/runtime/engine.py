@@ -246,7 +246,14 @@ class Engine:
         """Compile the layer step for one token, for several, and for as many as it takes
         (the MoE's other form), with long-range groups completing: throwaway decodes of
         one sequence, of two, and of the most tokens a compiled step runs, so that no
-        request pays for it."""
+        request pays for it. An encoder-only model (a prefill replica's) warms the
+        prefill's chunks the same way."""
+        if self.model.lm_head is None:
+            cache = self.new_cache()
+            self.prefill(cache, [3, 4, 5])
+            self.prefill(cache, [6])
+            self.prefill(cache, [8 + i % 64 for i in range(self.compiled.max_tokens)])
+            return
         caches = [self.new_cache() for _ in range(2)]
         for cache in caches:
             self.replay(cache, self.prefill(cache, [3, 4, 5]))
