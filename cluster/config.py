@@ -80,8 +80,8 @@ class AppConfig(BaseModel):
     # runtime/compiled.py): built when a replica first starts (~2.5 min on configs/small,
     # kept in ~/.cache/v41/aot for the next start: a few s), decode steps x3-4 faster at
     # batch 1; the prefill pool (unless its experts are split over workers) encodes in
-    # 128-token chunks through the same functions (x1.1-1.25); needs a C++ compiler; see
-    # docs/performance.md.
+    # 128-token chunks through the same functions (x1.1-1.25 in the engine); needs a C++
+    # compiler; see docs/performance.md.
     compiled_step: bool = False
     decoder_parallel: ParallelConfig = ParallelConfig()
     prefill_parallel: ParallelConfig = ParallelConfig()
