@@ -134,6 +134,11 @@ class Transformer(nn.Module):
             {kind: Rotary(config.rope_spec(kind), config.qk_rope_head_dim) for kind in ("main", "compress")}
         )
 
+    @property
+    def encoder_only(self) -> bool:
+        """Whether :meth:`keep_encoder_only` dropped the decoder half (and the head)."""
+        return self.lm_head is None
+
     def keep_encoder_only(self) -> "Transformer":
         """Drop what a prefill replica never runs: the decoder blocks (but the CED
         projection: the decoder KV source's input norm, compressor and indexer keys)

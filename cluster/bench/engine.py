@@ -203,9 +203,7 @@ def _compiled_vs_eager(args: argparse.Namespace) -> dict:
 
 def _prefill_s(engine, prompt: list[int]) -> float:
     cache = engine.new_cache()
-    started = time.perf_counter()
-    engine.prefill(cache, prompt)
-    return time.perf_counter() - started
+    return _time(lambda: engine.prefill(cache, prompt))
 
 
 def _profile(args: argparse.Namespace) -> int:

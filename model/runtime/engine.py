@@ -248,7 +248,7 @@ class Engine:
         one sequence, of two, and of the most tokens a compiled step runs, so that no
         request pays for it. An encoder-only model (a prefill replica's) warms the
         prefill's chunks the same way."""
-        if self.model.lm_head is None:
+        if self.model.encoder_only:
             cache = self.new_cache()
             self.prefill(cache, [3, 4, 5])
             self.prefill(cache, [6])
