@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from model import formats, training
 from model.config import ModelConfig
@@ -169,7 +171,43 @@ def test_tokenizer_training_is_deterministic():
     a = train_small.train_tokenizer(corpus.train, 400)
     b = train_small.train_tokenizer(corpus.train, 400)
     assert a.to_str() == b.to_str()
-    assert [a.id_to_token(i) for i in range(9)] == list(train_small.SPECIAL_TOKENS)
+    assert [a.id_to_token(i) for i in range(10)] == list(train_small.SPECIAL_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def small_bpe():
+    from cluster.commands import train_small
+
+    return train_small.train_tokenizer(train_small.load_corpus(max_files=60).train, 1024)
+
+
+@settings(max_examples=200, deadline=None)
+@given(words=st.lists(st.text(st.characters(categories=("L", "N"), max_codepoint=0x24F), min_size=1, max_size=12),
+                      min_size=1, max_size=6))
+def test_a_word_is_the_same_tokens_after_a_space_as_alone(small_bpe, words):
+    """A name copied out of a sentence is the tokens it is alone, so that a tool call's
+    argument ('">glob') repeats its question's tokens (' glob') exactly."""
+    space = small_bpe.encode(" ", add_special_tokens=False).ids
+    for word in words:
+        alone = small_bpe.encode(word, add_special_tokens=False).ids
+        assert small_bpe.encode(" " + word, add_special_tokens=False).ids == space + alone
+        sentence = small_bpe.encode(f"names in {word}?", add_special_tokens=False).ids
+        assert any(sentence[i : i + len(alone)] == alone for i in range(len(sentence))), word
+    text = " ".join(words)
+    assert small_bpe.decode(small_bpe.encode(text, add_special_tokens=False).ids) == text
+
+
+def test_the_tool_markup_is_one_token(small_bpe):
+    from cluster.commands.train_small import DSML, tokenizer_config
+    from model.chat import Tokenizer
+    from model.tools import DSML as MARKUP
+
+    tokenizer = Tokenizer(small_bpe.to_str(), tokenizer_config())
+    assert tokenizer.special.dsml == DSML == small_bpe.token_to_id(MARKUP)
+    # Plain text never turns into the markup token (a user cannot forge a call) ...
+    assert DSML not in tokenizer.encode(f"<{MARKUP}invoke")
+    # ... and the template renders the markup as that one token.
+    assert tokenizer.decode([DSML]) == MARKUP
 
 
 def test_loss_plot_is_a_png_of_the_asked_size(tmp_path):
@@ -192,7 +230,8 @@ def test_train_small_smoke_run_saves_a_loadable_checkpoint(tmp_path):
 
     out = tmp_path / "small"
     common = ["train-small", "--out", str(out), "--max-files", "50", "--vocab-size", "512", "--batch", "2",
-              "--seq-len", "64", "--eval-every", "2", "--eval-batches", "1", "--no-samples", "--minutes", "0"]
+              "--seq-len", "64", "--window", "16", "--copy", "0.5",
+              "--eval-every", "2", "--eval-batches", "1", "--no-samples", "--minutes", "0"]
     assert main([*common, "--steps", "2", "--keep-state"]) == 0
     assert (out / "train-state" / "state.pt").exists()
     assert main([*common, "--steps", "4", "--resume"]) == 0
@@ -200,6 +239,7 @@ def test_train_small_smoke_run_saves_a_loadable_checkpoint(tmp_path):
     report = json.loads((out / "training.json").read_text())
     assert report["steps"] == 4 and report["log"]["steps"] == [1, 2, 3, 4]
     assert abs(report["held_out_loss"] - report["held_out_loss_saved_checkpoint"]) < 1e-3
+    assert 0.5 < report["held_out_bits_per_byte"] < 8 * report["held_out_loss_saved_checkpoint"]
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "loss.png"):
         assert (out / name).exists(), name
 
@@ -207,6 +247,7 @@ def test_train_small_smoke_run_saves_a_loadable_checkpoint(tmp_path):
     assert checkpoint.drafter is not None
     text = checkpoint.config.text
     assert text.dspark_noise_token_id == 8 and text.engram_pad_id == 2 and text.vocab_size == 512
+    assert text.sliding_window == 16
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:

@@ -2,8 +2,9 @@
 
 Corpus: the ``.py`` files of the running Python's standard library (no tests, no
 site-packages), sorted by path; every 50th file is held out. Tokenizer: byte-level BPE
-trained on the training files (deterministic), with the V4.1 special tokens at ids 0..7
-and the DSpark noise token at 8. Config: ``configs/tiny``'s structure at a larger size
+trained on the training files (deterministic), with the V4.1 special tokens at ids 0..7,
+the DSpark noise token at 8 and the tool-call markup's ``｜DSML｜`` at 9; a word does not
+take the space before it (see :data:`SPLIT_PATTERN`). Config: ``configs/tiny``'s structure at a larger size
 (see :func:`small_config`). Training math: :mod:`model.training`.
 
 A progress bar (step, loss, tokens/s, ETA) goes to stderr; the training state (model,
@@ -38,8 +39,14 @@ SPECIAL_TOKENS = (
     "</think>",
     "<｜deepseek_image｜>",
     "<｜▁noise▁｜>",  # the DSpark drafter's placeholder
+    "｜DSML｜",  # the tool-call markup's token, as in the released vocabulary
 )
-BOS, EOS, PAD, USER, ASSISTANT, THINK, THINK_END, IMAGE, NOISE = range(len(SPECIAL_TOKENS))
+BOS, EOS, PAD, USER, ASSISTANT, THINK, THINK_END, IMAGE, NOISE, DSML = range(len(SPECIAL_TOKENS))
+# Pre-tokenizer chunks: letters, up to three digits, other symbols, whitespace. Unlike
+# GPT-2's pattern a word does not take the space before it, so a name copied out of a
+# sentence (" glob" in "the names in glob") is the same tokens as where it stands alone
+# (a tool call's argument after '">'), and copying it is plain induction.
+SPLIT_PATTERN = r"\p{L}+|\p{N}{1,3}|[^\s\p{L}\p{N}]+|\s+"
 HELD_OUT_EVERY = 50
 QAT_FROM = 0.7  # share of the schedule after which weights are trained quantisation-aware
 FILE_SEPARATOR = "\n\x00\n"
@@ -53,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from OUT/train-state")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--window", type=int, default=64, help="sliding window of every layer (the release's: 128)")
+    parser.add_argument("--copy", type=float, default=0.1,
+                        help="share of rows that are copy chats (retrieval from up to ~120 tokens back)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -104,13 +114,16 @@ def load_corpus(max_files: int | None = None) -> Corpus:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE with the V4.1 special tokens at ids 0..8 (deterministic: one
-    thread, texts in corpus order)."""
+    """Byte-level BPE over :data:`SPLIT_PATTERN`'s chunks, with the special tokens at
+    ids 0..9 (deterministic: one thread, texts in corpus order)."""
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -138,7 +151,7 @@ def tokenizer_config() -> dict:
 # ---------------------------------------------------------------------- config
 
 
-def small_config(tokenizer) -> dict:
+def small_config(tokenizer, window: int = 64) -> dict:
     """The composite config.json of the small model (configs/tiny's structure).
 
     10 layers: 0-1 window-only; 2-5 the ratio-2 encoder (2 Full, 3 Reuse, 4 Full, 5
@@ -165,7 +178,7 @@ def small_config(tokenizer) -> dict:
         },
         "rope_scaling": {**yarn, "rope_type": "yarn"},
         "max_position_embeddings": 65536,
-        "sliding_window": 32,
+        "sliding_window": window,
         "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0],
         "kv_source_layer_ids": [2, 4, 6],
         "index_source_layer_ids": [2, 4, 6, 8],
@@ -313,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give --steps or a positive --minutes")
     if args.seq_len < 64:
         raise UserError("--seq-len must be at least 64")
+    if not 0 < args.window < args.seq_len:
+        raise UserError(f"--window must be between 1 and --seq-len - 1 ({args.seq_len - 1})")
     started = time.time()
     corpus = load_corpus(args.max_files)
     if len(corpus.held_out) == 0:
@@ -327,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--resume: no training state in {state_dir}")
     else:
         tokenizer = train_tokenizer(corpus.train, args.vocab_size)
-    config_dict = small_config(tokenizer)
+    config_dict = small_config(tokenizer, args.window)
     config = ModelConfig.from_dict(config_dict)
     text = config.text
     hasher = NgramHasher.from_tokenizer(EngramLayout.from_config(text), tokenizer)
@@ -343,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
     model.init_weights(args.seed, std=text.initializer_range)
     training.init_module(drafter, args.seed + 1, std=text.initializer_range)
     optimizers = training.build_optimizers(model, args.lr)
-    data = Batches(train_stream, corpus.train, tokenizer, args.seq_len)
+    data = Batches(train_stream, corpus.train, tokenizer, args.seq_len, copy=args.copy)
     generator = torch.Generator().manual_seed(args.seed)
     eval_rows = _held_out_rows(held_stream, args.seq_len, args.eval_batches * args.batch)
     log = {"steps": [], "loss": [], "indexer_kl": [], "eval": [], "replays": 0}
@@ -443,6 +458,8 @@ def run(args: argparse.Namespace) -> int:
         "tokens_seen": step * tokens_per_step, "batch": args.batch, "seq_len": args.seq_len, "lr": args.lr,
         "held_out_loss": round(held, 4), "held_out_loss_saved_checkpoint": round(saved_held, 4),
         "held_out_eval_tokens": int(eval_rows.numel() - eval_rows.shape[0]),
+        # Comparable across tokenizers: nats per token x tokens / bytes, in bits.
+        "held_out_bits_per_byte": round(bits_per_byte(saved_held, eval_rows, tokenizer), 4),
         "unigram_baseline": round(baseline, 4), "replayed_sequences": log["replays"],
         "log": log,
     }
@@ -499,6 +516,14 @@ def evaluate(model, hasher, rows, batch: int, reference: bool = False) -> float:
             logits = model(ids, engram_ids) if reference else training.train_forward(model, ids, engram_ids).logits
             total += float(training.lm_loss(logits, ids)) * ids.shape[0]
     return total / rows.shape[0]
+
+
+def bits_per_byte(loss: float, rows, tokenizer) -> float:
+    """A mean next-token loss over ``rows`` (nats/token) as bits per byte of the
+    predicted text (special tokens count no bytes)."""
+    targets = rows[:, 1:]
+    n_bytes = sum(len(tokenizer.decode(row, skip_special_tokens=True).encode("utf-8")) for row in targets.tolist())
+    return loss * targets.numel() / max(1, n_bytes) / math.log(2)
 
 
 def samples(directory: Path, max_new_tokens: int = 96) -> str:
