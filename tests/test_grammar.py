@@ -159,3 +159,43 @@ def test_the_drafts_masks_are_the_ones_verification_would_compute(tiny):
             assert all((a is None and b is None) or bool((a == b).all()) for a, b in zip(walked, fresh))
         assert drafted.walks[0].masks_for([-1]) is None  # other guesses than the walk's: not reused
         batcher.step()
+
+
+@pytest.mark.parametrize("note", ["ok", "a</b>c"])
+def test_a_call_follows_the_grammar_where_the_markup_is_one_token(note):
+    """In the released vocabulary ``｜DSML｜`` is one token, so the close tags a grammar
+    ends a string argument with hold a token, not text. A well-formed call, written as
+    the template writes it, walks the grammar to its end, a value may contain "</"
+    (unbounded), and the markup spelled as text is outside the grammar."""
+    import tokenizers
+
+    from model.chat import ChatTemplate
+    from model.tools import DSML, ToolCall, calls_text
+
+    raw = tokenizers.Tokenizer.from_file("tests/golden/A/tokenizer.json")
+    raw.add_special_tokens([tokenizers.AddedToken(DSML, special=True, normalized=False)])
+    tokenizer = Tokenizer(raw.to_str())
+    dsml = tokenizer.special.dsml
+    memo = {"name": "memo", "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
+                                           "required": ["text"]}}
+    compiler = GrammarCompiler(tokenizer.json, tokenizer.vocab_size, tokenizer.special.eos)
+    calls = [ToolCall("get_weather", json.dumps({"city": "Rome", "days": 3, "note": "ok"}), "a"),
+             ToolCall("memo", json.dumps({"text": note}), "b")]
+    text = calls_text(calls)
+    ids = []
+    for part in ChatTemplate(tokenizer)._markup(text):
+        ids += [part] if isinstance(part, int) else tokenizer.encode(part)
+    assert ids.count(dsml) == text.count(DSML)
+    constraint = compiler.constraint(tool_call_grammar([WEATHER, memo, CLOCK], None, True, dsml),
+                                     tokenizer.vocab_size)
+    for token in ids:
+        assert constraint.mask()[token], tokenizer.decode(ids[: ids.index(token) + 1])
+        constraint.advance(token)
+    assert constraint.matcher.is_accepting()
+    assert [call.name for call in parse_calls(tokenizer.decode(ids))] == ["get_weather", "memo"]
+    # The markup spelled as bytes is not the markup: the first "｜" byte is refused.
+    spelled = compiler.constraint(tool_call_grammar([CLOCK], "clock", False, dsml), tokenizer.vocab_size)
+    for token in tokenizer.encode("\n\n<"):
+        spelled.advance(token)
+    allowed = spelled.mask()
+    assert allowed[dsml] and not allowed[tokenizer.encode(DSML)[0]]

@@ -101,18 +101,18 @@ def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: 
             for j, (key, schema) in enumerate(properties.items()):
                 rule = f"p_{i}_{j}"
                 items.append(f"{rule} {lit(chr(10))}" if key in required else f"({rule} {lit(chr(10))})?")
-                rules += _parameter_rules(rule, key, schema if isinstance(schema, dict) else {}, lit)
+                rules += _parameter_rules(rule, key, schema if isinstance(schema, dict) else {}, lit, dsml_token)
             body = " ".join(items)
         rules.append(f"invoke_{i}: {head} {body} {lit(INVOKE_CLOSE)}")
     if any((tool.get("parameters") or {}).get("properties") is None for tool in chosen):
-        rules += _parameter_rules("any_parameter", None, {}, lit)
+        rules += _parameter_rules("any_parameter", None, {}, lit, dsml_token)
     return "\n".join(rules) + "\n"
 
 
 _AS_TEXT, _AS_JSON = ' string="true">', ' string="false">'
 
 
-def _parameter_rules(rule: str, key: str | None, schema: dict, lit) -> list[str]:
+def _parameter_rules(rule: str, key: str | None, schema: dict, lit, dsml_token: int | None) -> list[str]:
     """Rules for one parameter line (``key`` None: any name, any value)."""
     rules = []
     if key is None:
@@ -124,7 +124,16 @@ def _parameter_rules(rule: str, key: str | None, schema: dict, lit) -> list[str]
     # A string as is: anything up to the close tag, within the schema's length bounds.
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     length = "*" if not low and high is None else f"{{{int(low)},{'' if high is None else int(high)}}}"
-    free_text = f"{rule}_text[suffix={close}]: /(?s:.{length})/"
+    if dsml_token is None:
+        free_text = f"{rule}_text[suffix={close}]: /(?s:.{length})/"
+    else:
+        # A lexeme's suffix is text, and ｜DSML｜ is a token: the text runs in chunks up to
+        # each "</", and the one the token follows closes it. Length bounds hold for a
+        # value without "</" (one chunk); a value without bounds may contain it.
+        before, _, after = PARAMETER_CLOSE.partition(DSML)
+        chunks = f"{rule}_chunk" if length != "*" else f"{rule}_chunk+"
+        free_text = (f"{rule}_text: {chunks} <[{dsml_token}]> {json.dumps(after)}\n"
+                     f"{rule}_chunk[suffix={json.dumps(before)}]: /(?s:.{length})/")
     as_text = f"{rule}_s: {name} {lit(_AS_TEXT)} {rule}_text"
     as_json = f"{rule}_j: {name} {lit(_AS_JSON)} %json{json.dumps(_with_layout(schema), ensure_ascii=False)} {close}"
     kind = schema.get("type")
