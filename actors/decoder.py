@@ -7,12 +7,14 @@ batch, and when a request ends normally writes the conversation's new whole chun
 and its window state to the node's store. A request that fails or is cancelled
 writes nothing, so the store never holds a partial conversation.
 
-An agent sends its next turn the moment the last answer is out, so the replica
-stores a finished conversation *before* it sends the request's last token: the
-objects are in the node's RAM tier and their index entries in Redis by the time the
-client has the answer, and the next turn finds all of it. Serialising a finished
-conversation (:meth:`DecoderService.conversation_objects`) runs on the engine thread;
-the store call runs on the event loop while the batch steps on.
+An agent sends its next turn the moment the last answer is out. The replica starts
+storing a finished conversation (the node's RAM tier, and its index entries in
+Redis) as it sends the request's last token, which names the objects; the router
+holds any later turn that continues the conversation until the stream's next event
+says they are stored, so the next turn finds all of it, and the answer does not wait
+for the store's round trips. Serialising a finished conversation
+(:meth:`DecoderService.conversation_objects`) runs on the engine thread; the store
+call runs on the event loop while the batch steps on.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .prefill import Moved, PrefillService, StoreLike, read_through
 from .store import STORE_TIMEOUT_S
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
 from .resident import ResidentConversations
-from .state import CachePlan, Handoff, StateNaming
+from .state import CachePlan, Handoff, StateNaming, StoringConversation
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ class DecoderService:
                                speculation=speculation)
         self.resident = ResidentConversations(resident_bytes) if resident_bytes else None
         self._requests: dict[str, _Conversation] = {}
-        self._pending: dict[str, list[tuple[ObjectKey, bytes]]] = {}
-        # Finished conversations to keep once stored: (the window state's name, tokens, cache).
+        # Finished conversations to store: (their new chunks and window state, their length).
+        self._pending: dict[str, tuple[list[tuple[ObjectKey, bytes]], int]] = {}
+        # Finished conversations to keep as they are stored: (the window state's name, tokens, cache).
         self._to_keep: dict[str, tuple[ObjectKey, tuple[int, ...], SequenceCache]] = {}
         self.last_admit_s = 0.0
 
@@ -138,18 +141,24 @@ class DecoderService:
         handoff = self._requests.pop(request_id, None)
         if handoff is not None:
             tokens = handoff.token_ids + tuple(generated[:-1])  # the last token was never fed
-            self._pending[request_id] = objects = self._objects(handoff, cache, tokens)
+            objects = self._objects(handoff, cache, tokens)
+            self._pending[request_id] = (objects, len(tokens))
             if self.resident is not None:
                 self._to_keep[request_id] = (objects[-1][0], tokens, cache)
 
     def conversation_objects(self, request_id: str) -> list[tuple[ObjectKey, bytes]]:
         """A finished request's new whole chunks and its window state, as (key, bytes),
         once (empty if it did not finish, or was taken already)."""
-        return self._pending.pop(request_id, [])
+        return self.finished_conversation(request_id)[0]
+
+    def finished_conversation(self, request_id: str) -> tuple[list[tuple[ObjectKey, bytes]], int]:
+        """:meth:`conversation_objects` and the conversation's length in tokens (the
+        window state, last of the objects, is the state after all of them)."""
+        return self._pending.pop(request_id, ([], 0))
 
     def keep_resident(self, request_id: str) -> ObjectKey | None:
-        """Keep a finished request's cache for the conversation's next turn (once it is
-        stored: call after storing its objects); returns the name it is kept under
+        """Keep a finished request's cache for the conversation's next turn (once its
+        objects are on their way to the store); returns the name it is kept under
         (its window state's), or None if none is kept."""
         kept = self._to_keep.pop(request_id, None)
         if kept is None or self.resident is None or not self.resident.keep(*kept):
@@ -165,7 +174,7 @@ class DecoderService:
         """Store every finished conversation not stored yet (chunks and window state),
         and keep each one's cache when this service keeps conversations."""
         pending, self._pending = self._pending, {}
-        for request_id, objects in pending.items():
+        for request_id, (objects, _) in pending.items():
             for key, payload in objects:
                 self.store.put(key, payload)
             self.keep_resident(request_id)
@@ -323,16 +332,18 @@ class DecoderPool:
         try:
             handoff, first = await loop.run_in_executor(self.executor, admit)
             timeline = {**handoff.timeline, "admitted": admitted, "decode_out": time.time()}
-            stored = {}
+            said, storing = {}, None
             if first.finish_reason is not None:
                 finished = True
                 leave_batch()
-                stored = await self._store_conversation(request_id)
-            yield {**stored, "cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
+                said, storing = self._store_conversation(request_id)
+            yield {**said, "cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
                    "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
                    "prefilled_by": handoff.prefilled_by, "moved_bytes": handoff.moved_bytes, "node": self.node_id,
                    **dataclasses.asdict(first)}
             if first.finish_reason is not None:
+                if storing is not None:
+                    yield await asyncio.shield(storing)  # a stream closed now leaves the store running
                 return
             if self.stepping is None or self.stepping.done():
                 self.stepping = asyncio.create_task(self._step_loop())
@@ -340,13 +351,15 @@ class DecoderPool:
                 event = await queue.get()
                 if isinstance(event, BaseException):
                     raise event
-                stored = {}
+                said, storing = {}, None
                 if event.finish_reason is not None:
                     finished = True
                     leave_batch()  # its place is free while the conversation is stored
-                    stored = await self._store_conversation(request_id)
-                yield {**dataclasses.asdict(event), **stored}
+                    said, storing = self._store_conversation(request_id)
+                yield {**dataclasses.asdict(event), **said}
                 if event.finish_reason is not None:
+                    if storing is not None:
+                        yield await asyncio.shield(storing)  # a stream closed now leaves the store running
                     return
         finally:
             self.queues.pop(request_id, None)
@@ -360,23 +373,32 @@ class DecoderPool:
                 await loop.run_in_executor(self.executor, self.service.cancel, request_id)
             self.service.forget(request_id)  # finished, but its client left before the end
 
-    async def _store_conversation(self, request_id: str) -> dict[str, float]:
-        """Store a finished request's conversation in this node's RAM tier and index it,
-        before its last token goes out: the next turn, sent the moment the answer is
-        complete, finds every chunk. A store that does not answer in time costs the
-        next turn its hit, never this request. Returns ``{"stored_at": when the store
-        call ended}`` for the last event (empty when there was nothing to store)."""
-        objects = self.service.conversation_objects(request_id)
+    def _store_conversation(self, request_id: str) -> tuple[dict, asyncio.Future | None]:
+        """Start storing a finished request's conversation in this node's RAM tier and
+        indexing it; returns what the request's last event says about it and the store
+        call, whose end is the stream's one event after the last token: ``{"stored_at":
+        when it ended, "stored": whether the store took it in time}``. The last event
+        names the objects (``"storing"``): the router holds a turn that continues the
+        conversation until they are stored (cluster/router.py), so that the next turn,
+        sent the moment the answer is complete, finds every chunk. The store runs on
+        whether or not the stream is read to its end; one that does not answer in time
+        costs the next turn its hit, never this request. Nothing to store: ``({}, None)``."""
+        objects, length = self.service.finished_conversation(request_id)
         if not objects:
-            return {}
-        await self.service.store.put_now(objects)
-        stored = {"stored_at": time.time()}
+            return {}, None
+
+        async def store() -> dict:
+            stored = await self.service.store.put_now(objects)
+            return {"stored_at": time.time(), "stored": bool(stored)}
+
+        storing = asyncio.ensure_future(store())
+        said: dict = {"storing": StoringConversation(tuple(key for key, _ in objects), length)}
         kept = self.service.keep_resident(request_id)
         if self.service.resident is not None:
             self.metrics.resident_bytes.set(self.service.resident.stats().bytes)
         if kept is not None:  # the router sends the next turn back here
-            stored.update(resident=kept, replica=self.replica_id, node=self.node_id)
-        return stored
+            said.update(resident=kept, replica=self.replica_id, node=self.node_id)
+        return said, storing
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()

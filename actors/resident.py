@@ -6,8 +6,8 @@ conversation's cache, every layer of it, in memory. Kept here, the next turn, ro
 back to this replica (cluster/routing.py), starts from it: only the new tokens are
 encoded, with no store read, no handoff and no trip through the prefill pool.
 
-It is a shortcut, never the only copy. The replica stored the same state (its chunks
-and window state) before it sent the answer's last token, so a conversation evicted
+It is a shortcut, never the only copy. The replica stores the same state (its chunks
+and window state) as it sends the answer's last token, so a conversation evicted
 here, taken by another request, or kept by a replica that has died is read from the
 store as before. A conversation is taken (not copied) by the request that continues
 it: two requests that share a prefix cannot both extend one cache; the second reads

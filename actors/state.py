@@ -78,6 +78,20 @@ def media_of(images: tuple[PromptImage, ...]) -> tuple[MediaSpan, ...]:
 
 
 @dataclass(frozen=True)
+class StoringConversation:
+    """What a request's last event says of its conversation while the decoder replica
+    stores it: the objects' names (new whole chunks, then the window state after all
+    ``length`` tokens). The router holds a turn that continues it until it is stored."""
+
+    keys: tuple[ObjectKey, ...]
+    length: int
+
+    @property
+    def window(self) -> ObjectKey:
+        return self.keys[-1]
+
+
+@dataclass(frozen=True)
 class CachePlan:
     """The router's view of a request's stored prefix.
 

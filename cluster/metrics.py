@@ -35,6 +35,9 @@ class RouterMetrics:
                                      "(queued for a place in a batch, or in their prefill)")
         self.queue_wait = metrics.Histogram("v41_queue_wait_seconds", "time a ready request waited for a place in "
                                             "a decoder batch", boundaries=_LATENCY_BOUNDS)
+        self.store_wait = metrics.Histogram("v41_store_wait_seconds", "time a turn waited for the store of the "
+                                            "conversation it continues (its last answer had just gone out)",
+                                            boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 5.0])
         self.routed = metrics.Counter("v41_router_decoder_choices_total", "decoder replicas the router chose (routing "
                                       "affinity), by why: kept the conversation, on the cache's node, moved for "
                                       "load, or anywhere (nothing cached)", tag_keys=("choice",))

@@ -30,6 +30,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 
 from actors.replica import ModelIdentity, prompt_gil_handoff
+from actors.state import StoringConversation
+from actors.store import STORE_TIMEOUT_S
 from cluster import openai_api as api
 from cluster.config import AppConfig
 from cluster.images import ImageLimits, read_image
@@ -67,8 +69,10 @@ def server_timing(marks: dict[str, float], replica_s: float, prefilled_by: str) 
 def _store_times(marks: dict[str, float]) -> dict[str, str]:
     """When the prompt's stored prefix was looked up (the router's index lookup, or the
     prefill's read of its own store where no index answered) and when the answer's
-    conversation was stored (Unix seconds): the two moments that decide which turns
-    find which chunks, for a replay that checks the simulator against the cluster."""
+    conversation counts as stored (Unix seconds: its last token reached the router,
+    which from then on holds a turn that continues it until the store has it): the
+    two moments that decide which turns find which chunks, for a replay that checks
+    the simulator against the cluster."""
     times = {"lookup": marks.get("looked_up", marks.get("prefill_read")), "stored": marks.get("stored")}
     return {f"x-v41-{name}-at": f"{at:.6f}" for name, at in times.items() if at is not None}
 
@@ -151,16 +155,28 @@ class ClientGone(Exception):
     """The client closed the connection while its request waited."""
 
 
-def _chained(first, stream, kept):
-    """``first``, then the rest of ``stream``; ``kept(event)`` for the event that says
-    a decoder replica keeps the conversation."""
+def _chained(first, stream, kept, storing):
+    """``first``, then the rest of ``stream`` up to the last token; ``kept(event)`` for
+    the event that says a decoder replica keeps the conversation, and ``storing(what,
+    stream)`` for a last token whose conversation is being stored (the stream's next
+    event says when it is)."""
+    def last(event) -> bool:
+        if "resident" in event:
+            kept(event)
+        if "storing" in event:
+            storing(event["storing"], stream)
+            return True
+        return False
+
     async def events():
-        if "resident" in first:
-            kept(first)
+        if last(first):
+            yield first
+            return
         yield first
         async for event in stream:
-            if "resident" in event:
-                kept(event)
+            if last(event):
+                yield event
+                return
             yield event
     return events()
 
@@ -233,6 +249,10 @@ class Router:
         # The conversations decoder replicas keep for their next turn (actors/resident.py),
         # by name, and which replica keeps each: the last 65,536 answers'.
         self.resident: OrderedDict[ObjectKey, KeptAt] = OrderedDict()
+        # Conversations a decoder replica is storing (their last token is out), by the
+        # name of their window state: a turn that continues one waits for its store.
+        self.storing: dict[ObjectKey, tuple[StoringConversation, asyncio.Future]] = {}
+        self._store_waits: set[asyncio.Task] = set()
         self.think_end = self.tokenizer.special.think_end
         self.dsml = self.tokenizer.special.dsml  # a special token: its text is put back for the parser
         self.grammars: GrammarCompiler | None = None  # built at the first constrained request
@@ -257,18 +277,21 @@ class Router:
         if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
             raise api.ApiError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
 
-    def _plan(self, tokens: list[int], images: tuple = ()):
+    async def _plan(self, tokens: list[int], images: tuple = ()):
         """Which leading chunks of the prompt are stored, where, and which window state
         after them the index knows of (one Redis round trip, two after a gap); and
         every window state the prompt could resume from after those chunks, known or
         not, as ``(length, key)`` (none without an index). ``images``: the prompt's
-        :class:`actors.state.PromptImage` (their digests name the chunks that hold them)."""
+        :class:`actors.state.PromptImage` (their digests name the chunks that hold them).
+        A conversation the prompt continues whose store is still running is waited for."""
         from actors.state import CachePlan, media_of
         from storage.policy import TierName
 
         media = media_of(images)
         keys = self.naming.chunks(tokens, media=media)
         named = tuple(keys)
+        if self.storing:
+            await self._stored(tokens, named, media)
         if self.index is None:  # one node: its store knows
             return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images), []
         size = self.naming.chunk_tokens
@@ -309,6 +332,43 @@ class Router:
             if kept is not None:
                 return (key, kept) if len(tokens) - length <= self.config.resume_tokens else None
         return None
+
+    async def _stored(self, tokens: list[int], named: tuple[ObjectKey, ...], media: tuple) -> None:
+        """Wait (up to the store's timeout) for the stores still running of the
+        conversations this prompt continues: an agent's next turn, sent the moment the
+        answer was out, then finds every chunk of its history."""
+        import numpy as np
+
+        ids = np.asarray(tokens, dtype="<i8")
+        running = [done for conversation, done in self.storing.values()
+                   if conversation.length < len(ids)
+                   and self.naming.window(ids[: conversation.length], named, media) == conversation.window]
+        if running:
+            started = time.perf_counter()
+            await asyncio.wait(running, timeout=STORE_TIMEOUT_S)
+            self.metrics.store_wait.observe(time.perf_counter() - started)
+
+    def _storing(self, conversation: StoringConversation, stream) -> None:
+        """A decoder replica is storing ``conversation`` (its last token is out): held as
+        running until the rest of ``stream`` says it is stored, or ends."""
+        done = asyncio.get_running_loop().create_future()
+        self.storing[conversation.window] = (conversation, done)
+
+        async def until_stored() -> None:
+            try:
+                async for event in stream:
+                    if "stored_at" in event:
+                        break
+            except Exception as error:  # noqa: BLE001 (the replica died: the next turn reads what was stored)
+                logger.info("a decoder replica's stream ended before its store reported: %s", type(error).__name__)
+            finally:
+                if self.storing.get(conversation.window, (None, None))[1] is done:
+                    del self.storing[conversation.window]
+                done.set_result(None)
+
+        task = asyncio.ensure_future(until_stored())
+        self._store_waits.add(task)
+        task.add_done_callback(self._store_waits.discard)
 
     def _kept(self, event: dict) -> None:
         """A decoder replica keeps the conversation an answer ended (its last event)."""
@@ -391,7 +451,7 @@ class Router:
                                f"context is {self.config.max_model_len}", "messages", code="context_length_exceeded")
         images = self._prompt_images(request, tokens)
         marks["rendered"] = time.time()
-        plan, windows = self._plan(tokens, images)
+        plan, windows = await self._plan(tokens, images)
         marks["planned"] = time.time()
         if plan.windows is not None:  # the index decided what is stored (else the prefill's store does)
             marks["looked_up"] = marks["planned"]
@@ -606,7 +666,7 @@ class Router:
         first = started[0][0]
         self._answered(marks)  # (its first token: no longer waiting for an admission)
         queued_ms = self._admitted(first, marks)
-        streams = [_chained(head, stream, self._kept) for head, stream in started]
+        streams = [_chained(head, stream, self._kept, self._storing) for head, stream in started]
         if parsed.stream:
             # Its Server-Timing covers the trip to the first token (the headers go out with it).
             to_first = {**marks, **first.get("timeline", {}), "first_token": time.time()}
@@ -742,8 +802,8 @@ class Router:
                 cached, replica_s, prefilled_by = event["cached_tokens"], event["replica_s"], event["prefilled_by"]
                 timeline = {**event["timeline"], "first_token": time.time()}
                 ttft = time.perf_counter() - start
-            if "stored_at" in event:  # the last event: its conversation is in the store
-                timeline["stored"] = event["stored_at"]
+            if "storing" in event:  # the last token: a turn that continues it waits for its store
+                timeline["stored"] = time.time()
             tokens.append(event["token_id"])
             answer.push(event["token_id"], event["text"], event.get("logprob"), event.get("top_logprobs", ()))
             if completion is not None and event.get("logprob") is not None:
