@@ -335,14 +335,17 @@ class Router:
 
     async def _stored(self, tokens: list[int], named: tuple[ObjectKey, ...], media: tuple) -> None:
         """Wait (up to the store's timeout) for the stores still running of the
-        conversations this prompt continues: an agent's next turn, sent the moment the
-        answer was out, then finds every chunk of its history."""
+        conversations this prompt continues or shares a new chunk with: an agent's
+        next turn, sent the moment the answer was out, then finds every chunk of its
+        history, and any turn planned after a last token reached the router finds what
+        that answer stores."""
         import numpy as np
 
-        ids = np.asarray(tokens, dtype="<i8")
+        ids, chunks = np.asarray(tokens, dtype="<i8"), set(named)
         running = [done for conversation, done in self.storing.values()
-                   if conversation.length < len(ids)
-                   and self.naming.window(ids[: conversation.length], named, media) == conversation.window]
+                   if not chunks.isdisjoint(conversation.keys[:-1])
+                   or (conversation.length < len(ids)
+                       and self.naming.window(ids[: conversation.length], named, media) == conversation.window)]
         if running:
             started = time.perf_counter()
             await asyncio.wait(running, timeout=STORE_TIMEOUT_S)
