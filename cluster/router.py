@@ -250,7 +250,8 @@ class Router:
         # by name, and which replica keeps each: the last 65,536 answers'.
         self.resident: OrderedDict[ObjectKey, KeptAt] = OrderedDict()
         # Conversations a decoder replica is storing (their last token is out), by the
-        # name of their window state: a turn that continues one waits for its store.
+        # name of their window state: a turn that continues one, or shares a chunk it
+        # stores, waits for its store.
         self.storing: dict[ObjectKey, tuple[StoringConversation, asyncio.Future]] = {}
         self._store_waits: set[asyncio.Task] = set()
         self.think_end = self.tokenizer.special.think_end
@@ -283,7 +284,8 @@ class Router:
         every window state the prompt could resume from after those chunks, known or
         not, as ``(length, key)`` (none without an index). ``images``: the prompt's
         :class:`actors.state.PromptImage` (their digests name the chunks that hold them).
-        A conversation the prompt continues whose store is still running is waited for."""
+        A conversation the prompt continues, or shares a chunk with, whose store is still
+        running is waited for (the wait is part of the ``plan`` stage)."""
         from actors.state import CachePlan, media_of
         from storage.policy import TierName
 
