@@ -12,13 +12,21 @@ Splits: ``train`` asks about the training modules in the training phrasings;
 ``held_out`` about the held-out modules (every fifth) in the same phrasings;
 ``held_out_phrasing`` about held-out modules in phrasings the fine-tune never saw.
 Numbers, texts and dates are drawn per episode (the chance that a held-out episode
-repeats a training one is negligible).
+repeats a training one is negligible). In ``train``, half of the texts and every
+module outside the standard library (whose call gets an error back) are words of the
+training modules' sources (:func:`name_pool`, thousands): with only a few dozen
+modules and words to ask about, a model learns to name one it has seen, not to copy
+the one in the question.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import random
+import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,11 +71,24 @@ class Conversation:
     kind: str
 
 
-class _Draw:
-    """Argument draws for one split."""
+@functools.cache
+def name_pool() -> tuple[str, ...]:
+    """Lower-case words of 4 to 12 letters in the training modules' sources that name
+    no standard-library module (sorted; the same on every machine with this Python)."""
+    words: set[str] = set()
+    for module in stdlib_tools.TRAIN_MODULES:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            with open(spec.origin, encoding="utf-8", errors="replace") as source:
+                words.update(re.findall(r"\b[a-z]{4,12}\b", source.read()))
+    return tuple(sorted(words - set(sys.stdlib_module_names) - set(stdlib_tools.MODULES)))
 
-    def __init__(self, rng: random.Random, modules: Sequence[str]):
-        self.rng, self.modules = rng, modules
+
+class _Draw:
+    """Argument draws for one split (``names``: the training split's wide pool)."""
+
+    def __init__(self, rng: random.Random, modules: Sequence[str], names: Sequence[str] = ()):
+        self.rng, self.modules, self.names = rng, modules, names
 
     def module(self) -> str:
         return self.rng.choice(self.modules)
@@ -81,7 +102,8 @@ class _Draw:
         return self.rng.choice(listed) if isinstance(listed, list) and listed else None
 
     def words(self, lo: int = 1, hi: int = 5) -> str:
-        return " ".join(self.rng.choice(_WORDS) for _ in range(self.rng.randint(lo, hi)))
+        pool = self.names if self.names and self.rng.random() < 0.5 else _WORDS
+        return " ".join(self.rng.choice(pool) for _ in range(self.rng.randint(lo, hi)))
 
     def date(self) -> str:
         return f"{self.rng.randint(1990, 2035)}-{self.rng.randint(1, 12):02d}-{self.rng.randint(1, 28):02d}"
@@ -262,10 +284,13 @@ def _chain(d: _Draw, split: str) -> Episode:
                    then=lambda r: Step((("calculate", {"expression": f"{r[0][0]} {op} {k}"}),)))
 
 
-def _error(d: _Draw, split: str) -> Episode:
+def _error(d: _Draw, split: str) -> Episode | None:
     """A module outside the standard library: the tool answers an error, the answer says so."""
     name = d.rng.choice(["count_names", "module_doc", "is_package", "count_lines"])
-    fake = d.rng.choice(["numpy", "requests", "pandas", "flask", "yaml", "django", "torch", "scipy", "attr", "rich"])
+    fake = d.rng.choice(d.names or ["numpy", "requests", "pandas", "flask", "yaml", "django", "torch", "scipy", "attr",
+                                    "rich"])
+    if not run_tool(name, {"module": fake}).startswith("error: "):  # installed here after all
+        return None
     phrasings, _, _ = _ONE_CALL[name]
     question = _fill(_phrasing(phrasings, split, d.rng), {"module": fake})
     return Episode(question, [Step(((name, {"module": fake}),))],
@@ -283,7 +308,7 @@ def episode(d: _Draw, split: str) -> Episode | None:
     if u < 0.05:
         greeting, reply = d.rng.choice(_GREETINGS)
         return Episode(greeting, [], lambda r: reply)
-    if u < 0.10:
+    if u < (0.17 if d.names else 0.10):  # the training split's errors teach copying a name never seen
         return _error(d, split)
     if u < 0.22:
         return _parallel(d, split)
@@ -323,7 +348,10 @@ def conversation(rng: random.Random, split: str = "train") -> Conversation:
     if rng.random() < 1 / 12:
         greeting, reply = rng.choice(_GREETINGS)
         return Conversation((Message("user", greeting), Message("assistant", reply)), (), "no_tools")
-    d = _Draw(rng, stdlib_tools.TRAIN_MODULES if split == "train" else stdlib_tools.HELD_OUT_MODULES)
+    if split == "train":
+        d = _Draw(rng, stdlib_tools.TRAIN_MODULES, name_pool())
+    else:
+        d = _Draw(rng, stdlib_tools.HELD_OUT_MODULES)
     episodes: list[Episode] = []
     while len(episodes) < (2 if rng.random() < 0.1 else 1):
         ep = episode(d, split)

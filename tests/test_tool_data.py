@@ -90,6 +90,34 @@ def test_every_module_answers_and_the_held_out_ones_are_never_trained_on():
                                                                      "django", "torch", "scipy", "attr", "rich"}
 
 
+def test_training_asks_about_thousands_of_names_so_that_the_model_must_copy_them():
+    """A few dozen modules and words are memorised, not copied: in training, half of the
+    texts and every module outside the standard library come from the sources' words,
+    which name no standard-library module (held-out ones included) and whose calls get
+    an error back; the held-out splits ask as before."""
+    import sys
+
+    pool = tool_data.name_pool()
+    assert len(pool) > 3000 and pool == tuple(sorted(set(pool)))
+    assert not set(pool) & (set(sys.stdlib_module_names) | set(stdlib_tools.MODULES))
+    asked = {"module": set(), "text": set()}
+    for conv in tool_data.conversations(300, "train", seed=5):
+        results = {m.tool_call_id: m.content for m in conv.messages if m.role == "tool"}
+        for message in conv.messages:
+            for call in message.tool_calls:
+                arguments = json.loads(call.arguments)
+                for key, seen in asked.items():
+                    seen.update(str(arguments.get(key, "")).split())
+                if conv.kind.startswith("error") and arguments.get("module") in pool:
+                    assert results[call.id].startswith("error: ")
+    assert len(asked["module"] & set(pool)) > 15 and len(asked["text"] & set(pool)) > 30
+    texts = [json.loads(call.arguments) for conv in tool_data.conversations(200, "held_out", seed=5)
+             for message in conv.messages for call in message.tool_calls]
+    held = {word for arguments in texts if "module" not in arguments  # (not a search in a module's source)
+            for word in str(arguments.get("text", "")).split()}
+    assert held and held <= set(tool_data._WORDS)
+
+
 def test_conversations_are_seeded_and_their_calls_are_valid_and_offered():
     assert tool_data.conversations(20, "train", 3) == tool_data.conversations(20, "train", 3)
     assert tool_data.conversations(20, "train", 3) != tool_data.conversations(20, "train", 4)
