@@ -289,7 +289,7 @@ def _error(d: _Draw, split: str) -> Episode | None:
     name = d.rng.choice(["count_names", "module_doc", "is_package", "count_lines"])
     fake = d.rng.choice(d.names or ["numpy", "requests", "pandas", "flask", "yaml", "django", "torch", "scipy", "attr",
                                     "rich"])
-    if not run_tool(name, {"module": fake}).startswith("error: "):  # installed here after all
+    if not run_tool(name, {"module": fake}).startswith("error: "):  # (the tools took it after all: draw again)
         return None
     phrasings, _, _ = _ONE_CALL[name]
     question = _fill(_phrasing(phrasings, split, d.rng), {"module": fake})
