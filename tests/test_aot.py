@@ -74,6 +74,21 @@ def test_a_new_process_loads_the_package_and_a_torn_one_is_built_again(built):
     assert torch.allclose(torn("a", lambda: TOKENS, x, weight, None, 0.5, True)[0], want, atol=1e-6)
 
 
+def test_a_loaded_package_leaves_no_copy_in_the_temp_folder(built, tmp_path, monkeypatch):
+    """torch's loader unpacks the package under the temp folder and removes that copy
+    only when destroyed (a killed replica never is); it is removed once loaded."""
+    directory, _, weight = built
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    loaded = aot.AotFunction(_mix, directory, "test")
+    x = torch.randn(3, 4)
+    got = loaded("a", lambda: TOKENS, x, weight, None, 0.5, True)
+    assert loaded.built == [] and list(tmp_path.iterdir()) == [tmp_path / "v41-aot-load.lock"]
+    assert torch.allclose(got[0], _mix(x, weight, None, 0.5, True)[0], atol=1e-6)
+    x = torch.randn(9, 4)  # and it keeps running without the copy
+    assert torch.allclose(loaded("a", lambda: TOKENS, x, weight, None, 0.5, True)[0],
+                          _mix(x, weight, None, 0.5, True)[0], atol=1e-6)
+
+
 def test_a_new_source_digest_builds_new_packages(built):
     directory, _, weight = built
     changed = aot.AotFunction(_mix, directory, "changed")

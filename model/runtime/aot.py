@@ -24,12 +24,15 @@ that fails to load is built again.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import inspect
 import os
+import shutil
 import tempfile
 import time
 import warnings
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,11 +105,44 @@ class _Package:
     def __init__(self, path: Path) -> None:
         with warnings.catch_warnings():  # torch's own spec parsing warns of its deprecations
             warnings.simplefilter("ignore", FutureWarning)
-            self.loader = torch._inductor.aoti_load_package(str(path)).loader
+            self.loader = _load(path)
             self.out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
 
     def __call__(self, tensors: list[torch.Tensor | None]):
         return pytree.tree_unflatten(self.loader.boxed_run([t for t in tensors if t is not None]), self.out_spec)
+
+
+def _unpack_root() -> Path:
+    """Where torch's package loader unpacks a package: C++'s ``temp_directory_path()``."""
+    for name in ("TMPDIR", "TMP", "TEMP", "TEMPDIR"):
+        if os.environ.get(name):
+            return Path(os.environ[name])
+    return Path("/tmp")
+
+
+def _load(path: Path):
+    """The package's loader, without the copy of the package it unpacked.
+
+    The loader unpacks the package into ``aotinductor_XXXXXX`` under the temp folder,
+    loads its library from there and removes it only when the loader is destroyed,
+    which a killed process (a Serve replica at shutdown, a Ray actor) never does: each
+    start left ~2 MB per package behind. Once loaded nothing reads the copy again (the
+    library stays mapped), so it is removed here. Loads take a lock in that folder, so
+    a new folder holding this package's contents is this load's and no other v41
+    process's; one that failed to load is removed too.
+    """
+    root = _unpack_root()
+    with zipfile.ZipFile(path) as package:  # a torn package raises here: a miss
+        inner = package.namelist()[0].split("/")[0]
+    with open(root / "v41-aot-load.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        before = set(root.glob("aotinductor_*"))
+        try:
+            return torch._inductor.aoti_load_package(str(path)).loader
+        finally:
+            for unpacked in set(root.glob("aotinductor_*")) - before:
+                if (unpacked / inner).is_dir():
+                    shutil.rmtree(unpacked, ignore_errors=True)
 
 
 class AotFunction:
