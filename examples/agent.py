@@ -14,7 +14,9 @@ later steps are ``auto``.
 
 The tasks have answers computed here, from the same standard library, about modules the
 shipped small model's tool fine-tune held out; a task succeeds when the final answer
-contains the answer(s) as whole words.
+contains the answer(s) as whole words and the calls that give them were made (the same
+function and arguments; an expression by its value). An answer that happens to hold
+the right text after the wrong calls is counted apart, as luck.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import dataclass, field
 
 import openai
 
@@ -33,37 +36,96 @@ from cluster.stdlib_tools import HELD_OUT_MODULES, run_tool, tools
 TOOLS = tools("count_names", "count_lines", "calculate", "has_name", "module_doc", "is_prime")
 
 
-def tasks() -> list[tuple[str, tuple[str, ...]]]:
-    """(question, the texts the final answer must contain), computed here. The modules
-    are ones the small model's tool fine-tune held out."""
-    def run(name: str, **arguments) -> str:
-        return run_tool(name, arguments)
+Call = tuple[str, dict]  # a function's name and its arguments
+
+
+@dataclass(frozen=True)
+class Task:
+    """A question, the calls that answer it and the texts its final answer must hold."""
+
+    question: str
+    calls: tuple[Call, ...]
+    answers: tuple[str, ...]
+
+
+@dataclass
+class Trace:
+    """What one run of the loop did: the calls it made (arguments as parsed) and its answer."""
+
+    calls: list[Call] = field(default_factory=list)
+    answer: str = ""
+
+
+def tasks() -> list[Task]:
+    """The built-in tasks, with answers computed here. The modules are ones the small
+    model's tool fine-tune held out."""
+    def task(question: str, *calls: Call, answers: tuple[str, ...] = ()) -> Task:
+        return Task(question, calls, answers or tuple(run_tool(name, arguments) for name, arguments in calls))
 
     assert {"bisect", "glob", "json", "pprint", "lzma", "html", "token", "re", "weakref"} <= set(HELD_OUT_MODULES)
-    glob_names = run("count_names", module="glob")
-    re_lines = run("count_lines", module="re")
+    glob_names = run_tool("count_names", {"module": "glob"})
+    re_lines = run_tool("count_lines", {"module": "re"})
     return [
-        ("How many public names does the bisect module define?", (run("count_names", module="bisect"),)),
-        ("What is (48 + 17) * 6?", (run("calculate", expression="(48 + 17) * 6"),)),
-        ("Does the json module define loads?", ("Yes",)),
-        ("How many lines of source does pprint have?", (run("count_lines", module="pprint"),)),
-        ("What is the lzma module for?", (run("module_doc", module="lzma"),)),
-        ("How many public names do html and token define?",
-         (run("count_names", module="html"), run("count_names", module="token"))),
-        ("How many public names does glob have, times 3?", (run("calculate", expression=f"{glob_names} * 3"),)),
-        ("How many source lines does re have, plus 10?", (run("calculate", expression=f"{re_lines} + 10"),)),
-        ("Is 1001 a prime number?", ("No",)),
-        ("Is 9973 prime?", ("Yes",)),
-        ("Compute 777 * 23.", (run("calculate", expression="777 * 23"),)),
-        ("Count the public names in weakref.", (run("count_names", module="weakref"),)),
+        task("How many public names does the bisect module define?", ("count_names", {"module": "bisect"})),
+        task("What is (48 + 17) * 6?", ("calculate", {"expression": "(48 + 17) * 6"})),
+        task("Does the json module define loads?", ("has_name", {"module": "json", "name": "loads"}), answers=("Yes",)),
+        task("How many lines of source does pprint have?", ("count_lines", {"module": "pprint"})),
+        task("What is the lzma module for?", ("module_doc", {"module": "lzma"})),
+        task("How many public names do html and token define?",
+             ("count_names", {"module": "html"}), ("count_names", {"module": "token"})),
+        task("How many public names does glob have, times 3?", ("count_names", {"module": "glob"}),
+             ("calculate", {"expression": f"{glob_names} * 3"}),
+             answers=(run_tool("calculate", {"expression": f"{glob_names} * 3"}),)),
+        task("How many source lines does re have, plus 10?", ("count_lines", {"module": "re"}),
+             ("calculate", {"expression": f"{re_lines} + 10"}),
+             answers=(run_tool("calculate", {"expression": f"{re_lines} + 10"}),)),
+        task("Is 1001 a prime number?", ("is_prime", {"n": 1001}), answers=("No",)),
+        task("Is 9973 prime?", ("is_prime", {"n": 9973}), answers=("Yes",)),
+        task("Compute 777 * 23.", ("calculate", {"expression": "777 * 23"})),
+        task("Count the public names in weakref.", ("count_names", {"module": "weakref"})),
     ]
 
 
+def same_call(made: Call, wanted: Call) -> bool:
+    """Whether a call the model made is the one wanted: the same function and arguments
+    (numbers compared as written, an arithmetic expression by its value)."""
+    (name, arguments), (wanted_name, wanted_arguments) = made, wanted
+    if name != wanted_name or set(arguments) != set(wanted_arguments):
+        return False
+    for key, value in wanted_arguments.items():
+        if key == "expression":
+            result = run_tool("calculate", {"expression": str(arguments[key])})
+            if result.startswith("error") or result != run_tool("calculate", {"expression": value}):
+                return False
+        elif str(arguments[key]) != str(value):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Grade:
+    calls: bool  # every wanted call was made
+    answer: bool  # the final answer holds every answer text, as whole words
+
+    @property
+    def solved(self) -> bool:
+        """Both: an answer that holds the right text after the wrong calls is luck (the
+        shipped model's count of bz2's names is also bisect's)."""
+        return self.calls and self.answer
+
+
+def grade(task: Task, trace: Trace) -> Grade:
+    calls = all(any(same_call(made, wanted) for made in trace.calls) for wanted in task.calls)
+    answer = all(re.search(rf"(?<!\w){re.escape(text)}(?!\w)", trace.answer, re.IGNORECASE) for text in task.answers)
+    return Grade(calls, answer)
+
+
 def solve(client: openai.OpenAI, model: str, question: str, args: argparse.Namespace, show: bool,
-          tools: list[dict] = TOOLS) -> str:
+          tools: list[dict] = TOOLS) -> Trace:
     messages = [{"role": "system", "content": "You answer questions about the Python standard library. Use the "
                                               "tools, then answer briefly."},
                 {"role": "user", "content": question}]
+    trace = Trace()
     for step in range(args.max_steps):
         choice = args.first_call if step == 0 else "auto"
         answer = client.chat.completions.create(model=model, messages=messages, tools=tools, tool_choice=choice,
@@ -74,17 +136,21 @@ def solve(client: openai.OpenAI, model: str, question: str, args: argparse.Names
         if not message.tool_calls:
             if show:
                 print(f"  answer: {message.content!r}")
-            return message.content or ""
+            trace.answer = message.content or ""
+            return trace
         for call in message.tool_calls:
             try:
                 arguments = json.loads(call.function.arguments)
             except json.JSONDecodeError:
                 arguments = {}
-            result = run_tool(call.function.name, arguments if isinstance(arguments, dict) else {})
+            arguments = arguments if isinstance(arguments, dict) else {}
+            result = run_tool(call.function.name, arguments)
+            trace.calls.append((call.function.name, arguments))
             if show:
                 print(f"  call {call.function.name}({call.function.arguments}) -> {result[:120]!r}")
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return messages[-1].get("content") or ""
+    trace.answer = messages[-1].get("content") or ""
+    return trace
 
 
 def main() -> int:
@@ -102,20 +168,24 @@ def main() -> int:
         parser.error("give a question or --tasks")
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=300)
     model = client.models.list().data[0].id
-    todo = tasks() if args.tasks else [(args.question, None)]
-    solved = 0
-    for question, expected in todo:
-        print(f"task: {question}")
-        final = solve(client, model, question, args, show=True)
-        if expected is not None:
-            ok = all(re.search(rf"(?<!\w){re.escape(text)}(?!\w)", final, re.IGNORECASE) for text in expected)
-            solved += ok
-            print(f"  expected {' and '.join(map(repr, expected))}: {'solved' if ok else 'not solved'}")
-    if args.tasks:
-        print(f"solved {solved} of {len(todo)} tasks ({model}, first call {args.first_call})")
-        if args.json:
-            print(json.dumps({"model": model, "tasks": len(todo), "solved": solved,
-                              "success_rate": round(solved / len(todo), 3), "first_call": args.first_call}))
+    if not args.tasks:
+        print(f"task: {args.question}")
+        solve(client, model, args.question, args, show=True)
+        return 0
+    grades = []
+    for task in tasks():
+        print(f"task: {task.question}")
+        grades.append(grade(task, solve(client, model, task.question, args, show=True)))
+        wanted = ", ".join(f"{name}({json.dumps(arguments)})" for name, arguments in task.calls)
+        print(f"  wanted {wanted} -> {' and '.join(map(repr, task.answers))}: calls {'made' if grades[-1].calls else 'not made'}, "
+              f"answer {'right' if grades[-1].answer else 'wrong'}: {'solved' if grades[-1].solved else 'not solved'}")
+    solved = sum(g.solved for g in grades)
+    print(f"solved {solved} of {len(grades)} tasks ({model}, first call {args.first_call}): the right calls in "
+          f"{sum(g.calls for g in grades)}, the right answer in {sum(g.answer for g in grades)}")
+    if args.json:
+        print(json.dumps({"model": model, "tasks": len(grades), "solved": solved,
+                          "success_rate": round(solved / len(grades), 3), "right_calls": sum(g.calls for g in grades),
+                          "right_answers": sum(g.answer for g in grades), "first_call": args.first_call}))
     return 0
 
 

@@ -4,12 +4,13 @@ test_tool_data.py), its tasks ask about held-out modules and have answers."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from cluster import stdlib_tools
 
 _spec = importlib.util.spec_from_file_location("agent", Path(__file__).parents[1] / "examples" / "agent.py")
-agent = importlib.util.module_from_spec(_spec)
+agent = sys.modules["agent"] = importlib.util.module_from_spec(_spec)  # (dataclasses look it up)
 _spec.loader.exec_module(agent)
 
 
@@ -22,7 +23,35 @@ def test_the_agent_offers_tools_of_the_tool_world():
 def test_every_task_has_answers_and_asks_about_held_out_modules():
     tasks = agent.tasks()
     assert len(tasks) == 12
-    for question, expected in tasks:
-        assert question and expected and all(text and not text.startswith("error") for text in expected)
+    for task in tasks:
+        assert task.question and task.calls and task.answers
+        assert all(text and not text.startswith("error") for text in task.answers)
         for module in stdlib_tools.TRAIN_MODULES:
-            assert f" {module} " not in f" {question.rstrip('?.')} ", (module, question)
+            assert f" {module} " not in f" {task.question.rstrip('?.')} ", (module, task.question)
+
+
+def test_a_task_is_solved_by_its_calls_and_answer_and_not_by_luck():
+    by_question = {task.question: task for task in agent.tasks()}
+    bisect = by_question["How many public names does the bisect module define?"]
+    count = stdlib_tools.run_tool("count_names", {"module": "bisect"})
+    right = agent.Trace([("count_names", {"module": "bisect"})], f"bisect defines {count} public names.")
+    assert agent.grade(bisect, right).solved
+    # Another module with as many names: the right text, the wrong call (the shipped
+    # model's count of bz2 is bisect's).
+    lucky = next(module for module in stdlib_tools.HELD_OUT_MODULES + stdlib_tools.TRAIN_MODULES
+                 if module != "bisect" and stdlib_tools.run_tool("count_names", {"module": module}) == count)
+    luck = agent.grade(bisect, agent.Trace([("count_names", {"module": lucky})], f"{lucky} defines {count}."))
+    assert luck.answer and not luck.calls and not luck.solved
+    assert not agent.grade(bisect, agent.Trace(right.calls, f"bisect defines {int(count) + 1} names.")).solved
+    # An expression is compared by its value; numbers as written, not by type.
+    product = by_question["What is (48 + 17) * 6?"]
+    assert agent.grade(product, agent.Trace([("calculate", {"expression": "65*6"})], "It is 390.")).solved
+    assert not agent.grade(product, agent.Trace([("calculate", {"expression": "(48 + 17"})], "390")).solved
+    prime = by_question["Is 1001 a prime number?"]
+    assert agent.grade(prime, agent.Trace([("is_prime", {"n": "1001"})], "No: 1001 = 7 * 11 * 13.")).solved
+    assert not agent.grade(prime, agent.Trace([("is_prime", {"n": 1011})], "No: 1011 is not prime.")).solved
+    # Both modules of a two-module question.
+    two = by_question["How many public names do html and token define?"]
+    html = ("count_names", {"module": "html"})
+    assert not agent.grade(two, agent.Trace([html], " and ".join(two.answers))).calls
+    assert agent.grade(two, agent.Trace([html, ("count_names", {"module": "token"})], " and ".join(two.answers))).solved

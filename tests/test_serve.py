@@ -4,6 +4,7 @@ usage with cached tokens, errors, and a decoder replica killed mid-stream."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Literal
 import urllib.error
@@ -208,7 +209,7 @@ def test_the_example_agent_runs_its_tool_loop(client):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("agent", Path(__file__).parents[1] / "examples" / "agent.py")
-    agent = importlib.util.module_from_spec(spec)
+    agent = sys.modules["agent"] = importlib.util.module_from_spec(spec)  # (dataclasses look it up)
     spec.loader.exec_module(agent)
     calls = []
     run_tool = agent.run_tool
@@ -218,10 +219,12 @@ def test_the_example_agent_runs_its_tool_loop(client):
     # free-text argument to max_tokens).
     tools = [{"type": "function", "function": {"name": "list_names", "parameters": {
         "type": "object", "properties": {"module": {"enum": ["json", "shlex"]}}, "required": ["module"]}}}]
-    final = agent.solve(client, MODEL, "How many public names does the json module define?", args, show=False,
+    trace = agent.solve(client, MODEL, "How many public names does the json module define?", args, show=False,
                         tools=tools)
     assert calls and set(calls) == {"list_names"}
-    assert isinstance(final, str)
+    assert [name for name, _ in trace.calls] == calls and all(arguments["module"] in ("json", "shlex")
+                                                               for _, arguments in trace.calls)
+    assert isinstance(trace.answer, str)
 
 
 def test_chat_streaming_equals_plain_and_counts_usage(client):
