@@ -134,7 +134,11 @@ def _load(path: Path):
     root = _unpack_root()
     with zipfile.ZipFile(path) as package:  # a torn package raises here: a miss
         inner = package.namelist()[0].split("/")[0]
-    with open(root / "v41-aot-load.lock", "a") as lock:
+    try:
+        lock = open(root / f"v41-aot-load-{os.getuid()}.lock", "a")  # noqa: SIM115 (one per user: /tmp is shared)
+    except OSError:  # no lock, no cleanup: the copy stays, as torch leaves it
+        return torch._inductor.aoti_load_package(str(path)).loader
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         before = set(root.glob("aotinductor_*"))
         try:
