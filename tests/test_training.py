@@ -293,3 +293,21 @@ def test_copy_rows_repeat_the_users_tokens_after_the_assistant_header():
         assert said in (shown, shown[1:]) and shown.startswith(" ")
         spaced += said == shown
     assert 0 < spaced < 24  # both forms
+
+
+def test_a_run_given_only_steps_is_not_cut_by_the_default_minutes():
+    """`v41 train-tools --steps 790` stopped at step 600: the 45-minute default bounded it too."""
+    import argparse
+    import math
+
+    from cluster.commands import time_budget, train_drafter, train_small, train_tools
+
+    assert time_budget(None, 790, 45.0) == math.inf  # the steps bound the run
+    assert time_budget(None, None, 45.0) == 45 * 60  # nothing given: the default
+    assert time_budget(10.0, 790, 45.0) == 600  # both given: whichever comes first
+    assert time_budget(0.0, None, 45.0) == math.inf
+    for command in (train_tools, train_small, train_drafter):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        assert parser.parse_args(["--steps", "5"]).minutes is None
+        assert parser.parse_args(["--minutes", "3"]).minutes == 3.0

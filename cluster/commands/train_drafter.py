@@ -27,16 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
+
+from cluster.commands import minutes_argument, time_budget
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"), help="checkpoint directory")
     parser.add_argument("--out", type=Path, default=None, help="where to save (default: the checkpoint itself)")
-    parser.add_argument("--minutes", type=float, default=15.0, help="training time budget (the LR schedule follows it)")
+    parser.add_argument("--minutes", **minutes_argument(15.0))
     parser.add_argument("--steps", type=int, default=None, help="stop after N steps")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=160)
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     drafter.train()
     params = [p for p in drafter.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    budget = args.minutes * 60 if args.minutes > 0 else math.inf
+    budget = time_budget(args.minutes, args.steps, 15.0)
     log = {"steps": [], "loss": [], "tv": [], "acceptance": []}
     step, elapsed = 0, 0.0
     while True:
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         log["acceptance"].append([round(float(a), 3) for a in loss.argmax_match])
         recent = log["loss"][-20:]
         print(f"\rstep {step} | loss {sum(recent) / len(recent):.3f} | tv {float(loss.tv.detach()):.3f} | argmax match "
-              f"{' '.join(f'{float(a):.2f}' for a in loss.argmax_match)} | {elapsed / 60:.1f}/{args.minutes:.0f} min   ",
+              f"{' '.join(f'{float(a):.2f}' for a in loss.argmax_match)} | {elapsed / 60:.1f}/{budget / 60:.0f} min   ",
               end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     drafter.eval()

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster.commands import minutes_argument, time_budget
+
 SPECIAL_TOKENS = (
     "<｜begin▁of▁sentence｜>",
     "<｜end▁of▁sentence｜>",
@@ -55,7 +57,7 @@ SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("configs/small"), help="checkpoint directory (default configs/small)")
-    parser.add_argument("--minutes", type=float, default=45.0, help="training time budget (the LR schedule follows it)")
+    parser.add_argument("--minutes", **minutes_argument(45.0))
     parser.add_argument("--steps", type=int, default=None, help="stop after N steps (the schedule follows N when given)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/train-state")
     parser.add_argument("--batch", type=int, default=8)
@@ -322,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
 
     out: Path = args.out
     state_dir = out / "train-state"
-    if args.steps is None and args.minutes <= 0:
+    if args.steps is None and args.minutes is not None and args.minutes <= 0:
         raise UserError("give --steps or a positive --minutes")
     if args.seq_len < 64:
         raise UserError("--seq-len must be at least 64")
@@ -386,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         }, tmp)
         tmp.replace(state_dir / "state.pt")
 
-    budget = args.minutes * 60 if args.minutes > 0 else math.inf
+    budget = time_budget(args.minutes, args.steps, 45.0)
     tokens_per_step = args.batch * args.seq_len
     last_save, window_start, window_steps = time.time(), time.time(), 0
     model.train()

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from cluster.commands import minutes_argument, time_budget
 
 KEEP_FILES = ("tokenizer.json", "tokenizer_config.json", "dspark_calibration.json", "replay-prompts.json")
 
@@ -30,7 +31,7 @@ KEEP_FILES = ("tokenizer.json", "tokenizer_config.json", "dspark_calibration.jso
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"), help="the checkpoint to start from")
     parser.add_argument("--out", type=Path, default=Path("configs/small"), help="where to write the fine-tuned one")
-    parser.add_argument("--minutes", type=float, default=45.0, help="training time budget (the LR schedule follows it)")
+    parser.add_argument("--minutes", **minutes_argument(45.0))
     parser.add_argument("--steps", type=int, default=None, help="stop after N steps (the schedule follows N when given)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/tools-state")
     parser.add_argument("--batch", type=int, default=2, help="tool conversations per step")
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from model.config import ConfigError
     from model.loader import Checkpoint, CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
 
-    if args.steps is None and args.minutes <= 0:
+    if args.steps is None and args.minutes is not None and args.minutes <= 0:
         raise UserError("give --steps or a positive --minutes")
     try:
         checkpoint = load_checkpoint(args.checkpoint)
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                     "log": log, "held_before": held_before, "seen": seen}, tmp)
         tmp.replace(state_dir / "state.pt")
 
-    budget = args.minutes * 60 if args.minutes > 0 else math.inf
+    budget = time_budget(args.minutes, args.steps, 45.0)
     window = checkpoint.config.text.sliding_window
     pad = tokenizer.special.pad
     last_save = time.time()
