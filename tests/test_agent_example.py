@@ -36,11 +36,9 @@ def test_a_task_is_solved_by_its_calls_and_answer_and_not_by_luck():
     count = stdlib_tools.run_tool("count_names", {"module": "bisect"})
     right = agent.Trace([("count_names", {"module": "bisect"})], f"bisect defines {count} public names.")
     assert agent.grade(bisect, right).solved
-    # Another module with as many names: the right text, the wrong call (the shipped
-    # model's count of bz2 is bisect's).
-    lucky = next(module for module in stdlib_tools.HELD_OUT_MODULES + stdlib_tools.TRAIN_MODULES
-                 if module != "bisect" and stdlib_tools.run_tool("count_names", {"module": module}) == count)
-    luck = agent.grade(bisect, agent.Trace([("count_names", {"module": lucky})], f"{lucky} defines {count}."))
+    # The right text after the wrong call (the shipped model counted bz2's names, as
+    # many as bisect's on Python 3.11).
+    luck = agent.grade(bisect, agent.Trace([("count_names", {"module": "bz2"})], f"bz2 defines {count}."))
     assert luck.answer and not luck.calls and not luck.solved
     assert not agent.grade(bisect, agent.Trace(right.calls, f"bisect defines {int(count) + 1} names.")).solved
     # An expression is compared by its value; numbers as written, not by type.
