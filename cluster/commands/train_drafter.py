@@ -33,11 +33,13 @@ from pathlib import Path
 
 from cluster.commands import minutes_argument, time_budget
 
+MINUTES = 15.0  # the time budget when neither --minutes nor --steps is given
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"), help="checkpoint directory")
     parser.add_argument("--out", type=Path, default=None, help="where to save (default: the checkpoint itself)")
-    parser.add_argument("--minutes", **minutes_argument(15.0))
+    parser.add_argument("--minutes", **minutes_argument(MINUTES))
     parser.add_argument("--steps", type=int, default=None, help="stop after N steps")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=160)
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     drafter.train()
     params = [p for p in drafter.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    budget = time_budget(args.minutes, args.steps, 15.0)
+    budget = time_budget(args.minutes, args.steps, MINUTES)
     log = {"steps": [], "loss": [], "tv": [], "acceptance": []}
     step, elapsed = 0, 0.0
     while True:

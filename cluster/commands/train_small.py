@@ -31,6 +31,8 @@ from pathlib import Path
 
 from cluster.commands import minutes_argument, time_budget
 
+MINUTES = 45.0  # the time budget when neither --minutes nor --steps is given
+
 SPECIAL_TOKENS = (
     "<｜begin▁of▁sentence｜>",
     "<｜end▁of▁sentence｜>",
@@ -57,7 +59,7 @@ SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("configs/small"), help="checkpoint directory (default configs/small)")
-    parser.add_argument("--minutes", **minutes_argument(45.0))
+    parser.add_argument("--minutes", **minutes_argument(MINUTES))
     parser.add_argument("--steps", type=int, default=None, help="stop after N steps (the schedule follows N when given)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/train-state")
     parser.add_argument("--batch", type=int, default=8)
@@ -388,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
         }, tmp)
         tmp.replace(state_dir / "state.pt")
 
-    budget = time_budget(args.minutes, args.steps, 45.0)
+    budget = time_budget(args.minutes, args.steps, MINUTES)
     tokens_per_step = args.batch * args.seq_len
     last_save, window_start, window_steps = time.time(), time.time(), 0
     model.train()

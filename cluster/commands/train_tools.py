@@ -25,13 +25,15 @@ from pathlib import Path
 
 from cluster.commands import minutes_argument, time_budget
 
+MINUTES = 45.0  # the time budget when neither --minutes nor --steps is given
+
 KEEP_FILES = ("tokenizer.json", "tokenizer_config.json", "dspark_calibration.json", "replay-prompts.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"), help="the checkpoint to start from")
     parser.add_argument("--out", type=Path, default=Path("configs/small"), help="where to write the fine-tuned one")
-    parser.add_argument("--minutes", **minutes_argument(45.0))
+    parser.add_argument("--minutes", **minutes_argument(MINUTES))
     parser.add_argument("--steps", type=int, default=None, help="stop after N steps (the schedule follows N when given)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/tools-state")
     parser.add_argument("--batch", type=int, default=2, help="tool conversations per step")
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
                     "log": log, "held_before": held_before, "seen": seen}, tmp)
         tmp.replace(state_dir / "state.pt")
 
-    budget = time_budget(args.minutes, args.steps, 45.0)
+    budget = time_budget(args.minutes, args.steps, MINUTES)
     window = checkpoint.config.text.sliding_window
     pad = tokenizer.special.pad
     last_save = time.time()
