@@ -230,7 +230,7 @@ def test_train_small_smoke_run_saves_a_loadable_checkpoint(tmp_path):
 
     out = tmp_path / "small"
     common = ["train-small", "--out", str(out), "--max-files", "50", "--vocab-size", "512", "--batch", "2",
-              "--seq-len", "64", "--window", "16", "--copy", "0.5",
+              "--seq-len", "64", "--window", "16", "--copy", "0.5", "--induction", "2", "--induction-every", "2",
               "--eval-every", "2", "--eval-batches", "1", "--no-samples", "--minutes", "0"]
     assert main([*common, "--steps", "2", "--keep-state"]) == 0
     assert (out / "train-state" / "state.pt").exists()
@@ -238,6 +238,9 @@ def test_train_small_smoke_run_saves_a_loadable_checkpoint(tmp_path):
     assert not (out / "train-state").exists()
     report = json.loads((out / "training.json").read_text())
     assert report["steps"] == 4 and report["log"]["steps"] == [1, 2, 3, 4]
+    assert [probe[0] for probe in report["log"]["induction"]] == [2, 4] and len(report["log"]["repeat_loss"]) == 4
+    assert report["induction"]["rows_per_step"] == 2 and report["induction"]["alphabet"] == 64
+    assert sorted(report["induction"]["repeat_accuracy"]) == ["10", "20", "40"]
     assert abs(report["held_out_loss"] - report["held_out_loss_saved_checkpoint"]) < 1e-3
     assert 0.5 < report["held_out_bits_per_byte"] < 8 * report["held_out_loss_saved_checkpoint"]
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "loss.png"):
@@ -311,3 +314,60 @@ def test_a_run_given_only_steps_is_not_cut_by_the_default_minutes():
         command.add_arguments(parser)
         assert parser.parse_args(["--steps", "5"]).minutes is None
         assert parser.parse_args(["--minutes", "3"]).minutes == 3.0
+
+
+def test_repeat_rows_copy_their_tokens_and_weigh_only_the_predictable_copy():
+    """The induction curriculum's rows: <bos> x x, x from the current alphabet of
+    ordinary tokens, the loss on the second copy's tokens after its first."""
+    from cluster.commands.train_small import INDUCTION_LENGTHS, SPECIAL_TOKENS, Repeats
+
+    repeats = Repeats(vocab_size=4096)
+    generator = torch.Generator().manual_seed(0)
+    lengths = set()
+    for _ in range(20):
+        ids, weights = repeats.sample(3, generator)
+        length = (ids.shape[1] - 1) // 2
+        lengths.add(length)
+        assert INDUCTION_LENGTHS[0] <= length <= INDUCTION_LENGTHS[1] and ids.shape[1] == 2 * length + 1
+        assert (ids[:, 0] == 0).all() and torch.equal(ids[:, 1 : length + 1], ids[:, length + 1 :])
+        x = ids[:, 1:]
+        assert x.min() >= len(SPECIAL_TOKENS) and x.max() < len(SPECIAL_TOKENS) + 64
+        # Weighted targets: ids[:, L + 2 :], predicted from ids[:, L + 1 : -1].
+        assert weights[:, : length + 2].sum() == 0 and (weights[:, length + 2 :] == 1).all()
+    assert len(lengths) > 5
+
+
+def test_the_repeat_alphabet_widens_only_when_every_probe_passes():
+    from cluster.commands.train_small import INDUCTION_PASS, SPECIAL_TOKENS, Repeats
+
+    repeats = Repeats(vocab_size=4096)
+    assert not repeats.update([0.9, INDUCTION_PASS - 0.01, 0.95]) and repeats.alphabet() == 64
+    assert repeats.update([INDUCTION_PASS] * 3) and repeats.alphabet() == 256
+    assert repeats.update([1.0] * 3) and repeats.alphabet() == 1024
+    assert repeats.update([1.0] * 3) and repeats.alphabet() == 4096 - len(SPECIAL_TOKENS)
+    assert repeats.final and not repeats.update([1.0] * 3)
+    assert Repeats(vocab_size=512).alphabet(stage=2) == 512 - len(SPECIAL_TOKENS)  # capped by the vocabulary
+
+
+class _Copier(torch.nn.Module):
+    """Logits with the token one copy-length back on top (for <bos> x x rows: a perfect
+    induction head), or with ``echo`` the current token."""
+
+    def __init__(self, vocab: int, echo: bool = False):
+        super().__init__()
+        self.vocab, self.echo = vocab, echo
+
+    def forward(self, ids, engram_ids=None):
+        length = (ids.shape[1] - 1) // 2
+        # Position t predicts ids[t + 1], which in the second copy is ids[t + 1 - L].
+        guess = ids if self.echo else torch.roll(ids, length - 1, dims=1)
+        return torch.nn.functional.one_hot(guess, self.vocab).float()
+
+
+def test_repeat_accuracy_scores_a_perfect_copier_one_and_an_echo_near_zero():
+    from cluster.commands.train_small import Repeats
+
+    repeats = Repeats(vocab_size=512, stage=3)
+    assert repeats.accuracy(_Copier(512), None, seed=0, reference=True) == [1.0, 1.0, 1.0]
+    echo = repeats.accuracy(_Copier(512, echo=True), None, seed=0, reference=True)
+    assert max(echo) < 0.05  # right only where a token happens to repeat itself

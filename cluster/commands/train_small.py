@@ -54,6 +54,13 @@ SPLIT_PATTERN = r"\p{L}+|\p{N}{1,3}|[^\s\p{L}\p{N}]+|\s+"
 HELD_OUT_EVERY = 50
 QAT_FROM = 0.7  # share of the schedule after which weights are trained quantisation-aware
 FILE_SEPARATOR = "\n\x00\n"
+# The induction curriculum (see :class:`Repeats`): alphabets the repeated tokens are
+# drawn from, widened when the model repeats INDUCTION_PASS of the tokens at every probe
+# length (None: every ordinary token); repeat lengths drawn per step.
+INDUCTION_ALPHABETS = (64, 256, 1024, None)
+INDUCTION_LENGTHS = (6, 48)
+INDUCTION_PROBES = (10, 20, 40)
+INDUCTION_PASS = 0.8
 SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n")
 
 
@@ -67,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=64, help="sliding window of every layer (the release's: 128)")
     parser.add_argument("--copy", type=float, default=0.1,
                         help="share of rows that are copy chats (retrieval from up to ~120 tokens back)")
+    parser.add_argument("--induction", type=int, default=8,
+                        help="random-token repeat rows per step (the induction curriculum; 0: none)")
+    parser.add_argument("--induction-every", type=int, default=25,
+                        help="steps between repeat-accuracy probes (the alphabet widens when they pass)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -288,6 +299,86 @@ class Batches:
         return row + self.stream[start : start + self.seq_len + 1 - len(row)].tolist()
 
 
+class Repeats:
+    """The induction curriculum: rows ``<bos> x x`` of ``L`` random tokens ``x`` repeated,
+    the loss on the second copy after its first token (the first copy and its first token
+    are unpredictable).
+
+    A model trained on code alone never learns to copy a token it has not seen in that
+    context (an *induction head*: attend to the token after the earlier occurrence of the
+    current one), so a tool call cannot copy an argument out of the question. Random
+    tokens leave nothing else to learn, and a small alphabet first (``INDUCTION_ALPHABETS``,
+    widened when every probe of :meth:`accuracy` passes ``INDUCTION_PASS``) gives the
+    heads a signal before the full vocabulary does."""
+
+    def __init__(self, vocab_size: int, stage: int = 0):
+        self.vocab_size, self.stage = vocab_size, stage
+
+    @property
+    def final(self) -> bool:
+        return self.stage == len(INDUCTION_ALPHABETS) - 1
+
+    def alphabet(self, stage: int | None = None) -> int:
+        """How many token ids (from the first ordinary one) rows draw from."""
+        size = INDUCTION_ALPHABETS[self.stage if stage is None else stage]
+        ordinary = self.vocab_size - len(SPECIAL_TOKENS)
+        return ordinary if size is None else min(size, ordinary)
+
+    def sample(self, rows: int, generator, length: int | None = None, stage: int | None = None):
+        """(ids [rows, 2L + 1], loss weights [rows, 2L + 1]); ``L`` drawn from
+        ``INDUCTION_LENGTHS`` unless given."""
+        import torch
+
+        if length is None:
+            length = int(torch.randint(INDUCTION_LENGTHS[0], INDUCTION_LENGTHS[1] + 1, (), generator=generator))
+        x = len(SPECIAL_TOKENS) + torch.randint(0, self.alphabet(stage), (rows, length), generator=generator)
+        ids = torch.cat([torch.full((rows, 1), BOS), x, x], dim=1)
+        weights = torch.zeros(ids.shape)
+        weights[:, length + 2 :] = 1.0
+        return ids, weights
+
+    def train_loss(self, model, hasher, rows: int, generator, quantize_weights: bool = True):
+        """(the masked loss of ``rows`` fresh rows, their training forward's output)."""
+        from model import training
+
+        ids, weights = self.sample(rows, generator)
+        result = training.train_forward(model, ids, _engram_ids(hasher, ids), quantize_weights=quantize_weights)
+        return training.masked_lm_loss(result.logits, ids, weights), result
+
+    def accuracy(self, model, hasher, seed: int, stage: int | None = None, rows: int = 16,
+                 reference: bool = False) -> list[float]:
+        """Greedy next-token accuracy on the weighted positions, per probe length of
+        ``INDUCTION_PROBES`` (its own generator: probing leaves the training RNG alone)."""
+        import torch
+
+        from model import training
+
+        generator = torch.Generator().manual_seed(seed)
+        was_training = model.training
+        model.eval()
+        out = []
+        with torch.no_grad():
+            for length in INDUCTION_PROBES:
+                ids, weights = self.sample(rows, generator, length, stage)
+                engram_ids = _engram_ids(hasher, ids)
+                logits = model(ids, engram_ids) if reference else training.train_forward(model, ids, engram_ids).logits
+                right = (logits[:, :-1].argmax(-1) == ids[:, 1:]).float() * weights[:, 1:]
+                out.append(round(float(right.sum() / weights[:, 1:].sum()), 3))
+        model.train(was_training)
+        return out
+
+    def update(self, accuracies: list[float]) -> bool:
+        """Widen the alphabet if every probe passed; True when it did."""
+        if self.final or min(accuracies) < INDUCTION_PASS:
+            return False
+        self.stage += 1
+        return True
+
+
+def _engram_ids(hasher, ids):
+    return hasher.hash_ids(ids)[0] if hasher is not None else None
+
+
 def token_stream(tokenizer, texts: list[str]):
     import numpy as np
 
@@ -365,7 +456,9 @@ def run(args: argparse.Namespace) -> int:
     data = Batches(train_stream, corpus.train, tokenizer, args.seq_len, copy=args.copy)
     generator = torch.Generator().manual_seed(args.seed)
     eval_rows = _held_out_rows(held_stream, args.seq_len, args.eval_batches * args.batch)
-    log = {"steps": [], "loss": [], "indexer_kl": [], "eval": [], "replays": 0}
+    repeats = Repeats(text.vocab_size)
+    log = {"steps": [], "loss": [], "indexer_kl": [], "eval": [], "replays": 0, "repeat_loss": [], "induction": [],
+           "widened": []}
     step, elapsed = 0, 0.0
     if args.resume:
         state = torch.load(state_dir / "state.pt", weights_only=False)
@@ -376,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
         generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         step, elapsed, log = state["step"], state["elapsed"], state["log"]
+        repeats.stage = state["induction_stage"]
         print(f"resumed at step {step} ({_format_time(elapsed)} trained)", file=sys.stderr)
     else:
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -386,7 +480,8 @@ def run(args: argparse.Namespace) -> int:
         torch.save({
             "model": model.state_dict(), "drafter": drafter.state_dict(),
             "optimizers": [o.state_dict() for o in optimizers], "generator": generator.get_state(),
-            "torch_rng": torch.get_rng_state(), "step": step, "elapsed": elapsed, "log": log, "args": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
+            "torch_rng": torch.get_rng_state(), "step": step, "elapsed": elapsed, "log": log,
+            "induction_stage": repeats.stage, "args": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
         }, tmp)
         tmp.replace(state_dir / "state.pt")
 
@@ -407,19 +502,33 @@ def run(args: argparse.Namespace) -> int:
         # Weights are rounded to their storage formats (straight-through) from the decay phase on.
         result = training.train_forward(model, ids, engram_ids, replay, quantize_weights=progress >= QAT_FROM)
         loss = training.lm_loss(result.logits, ids)
+        total_loss, loads = loss + result.indexer_loss, result.loads
+        if args.induction:
+            repeat_loss, repeated = repeats.train_loss(model, hasher, args.induction, generator,
+                                                       quantize_weights=progress >= QAT_FROM)
+            total_loss = total_loss + repeat_loss + repeated.indexer_loss
+            loads = {k: loads[k] + repeated.loads[k] for k in loads}
+            log["repeat_loss"].append(round(float(repeat_loss.detach()), 4))
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
-        (loss + result.indexer_loss).backward()
+        total_loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         for opt in optimizers:
             opt.step()
-        training.balance_routers(model, result.loads, gamma=1e-3)
+        training.balance_routers(model, loads, gamma=1e-3)
         step += 1
         elapsed += time.time() - tick
         log["steps"].append(step)
         log["loss"].append(round(float(loss.detach()), 4))
         log["indexer_kl"].append(round(float(result.indexer_loss), 4))
         window_steps += 1
+        if args.induction and step % args.induction_every == 0:
+            accuracies = repeats.accuracy(model, hasher, seed=step)
+            log["induction"].append([step, repeats.alphabet(), accuracies])
+            if repeats.update(accuracies):
+                log["widened"].append([log["induction"][-1][1], step])
+                print(f"\nstep {step}: repeats {accuracies} of {log['induction'][-1][1]} tokens; "
+                      f"widening to {repeats.alphabet()}", file=sys.stderr)
         if step % args.eval_every == 0:
             held = evaluate(model, hasher, eval_rows, args.batch)
             log["eval"].append([step, round(held, 4)])
@@ -431,7 +540,9 @@ def run(args: argparse.Namespace) -> int:
             remaining = budget - elapsed
         recent = log["loss"][-20:]
         total = args.steps if args.steps else "?"
+        induction = f"| repeats {log['induction'][-1][2]} of {log['induction'][-1][1]} " if log["induction"] else ""
         print(f"\rstep {step}/{total} | loss {sum(recent) / len(recent):.3f} | ix-KL {float(result.indexer_loss):.3f} "
+              f"{induction}"
               f"| {rate:,.0f} tok/s | ETA {_format_time(remaining)}   ", end="", file=sys.stderr, flush=True)
         if time.time() - window_start > 60:
             window_start, window_steps = time.time(), 0
@@ -453,6 +564,8 @@ def run(args: argparse.Namespace) -> int:
 
     _, saved = load_model(out)
     saved_held = evaluate(saved, hasher, eval_rows, args.batch, reference=True)
+    # Repeats over the whole vocabulary, by the saved checkpoint (whatever stage training reached).
+    full_vocab = repeats.accuracy(saved, hasher, seed=args.seed, stage=len(INDUCTION_ALPHABETS) - 1, reference=True)
     report = {
         "corpus": {"source": f"Python {sys.version.split()[0]} standard library (.py, no tests)", "root": corpus.root,
                    "files": len(corpus.train) + len(corpus.held_out), "held_out_files": len(corpus.held_out),
@@ -465,6 +578,9 @@ def run(args: argparse.Namespace) -> int:
         # Comparable across tokenizers: nats per token x tokens / bytes, in bits.
         "held_out_bits_per_byte": round(bits_per_byte(saved_held, eval_rows, tokenizer), 4),
         "unigram_baseline": round(baseline, 4), "replayed_sequences": log["replays"],
+        "induction": {"rows_per_step": args.induction, "alphabet": repeats.alphabet(),
+                      "widened": log["widened"],
+                      "repeat_accuracy": dict(zip(map(str, INDUCTION_PROBES), full_vocab))},
         "log": log,
     }
     (out / "training.json").write_text(json.dumps(report) + "\n")

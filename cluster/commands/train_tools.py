@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of replay rows that are chat-formatted completions (a chat without tools)")
     parser.add_argument("--copy", type=float, default=0.3,
                         help="share of replay rows that are copy chats (retrieval past the window)")
+    parser.add_argument("--induction", type=int, default=4,
+                        help="random-token repeat rows per step over the whole vocabulary (keeps the copying "
+                             "that `train-small`'s induction curriculum taught; 0: none)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--content-weight", type=float, default=1.0,
                         help="loss weight of argument values and answer text (the format's tokens: 1)")
@@ -66,16 +69,6 @@ def _pad(rows: list, pad: int):
     return ids, weights
 
 
-def masked_loss(logits, ids, weights):
-    """Cross-entropy of the next token, weighted per position (0: not a target),
-    normalised by the weights' sum."""
-    import torch.nn.functional as F
-
-    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-    weights = weights[:, 1:].flatten()
-    return (losses * weights).sum() / weights.sum().clamp(min=1)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -84,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
     from cluster.cli import UserError
     from cluster.commands.train_small import (
         HELD_OUT_EVERY,
+        INDUCTION_ALPHABETS,
+        INDUCTION_PROBES,
         Batches,
+        Repeats,
         _format_time,
         _held_out_rows,
         _replay_starts,
@@ -120,13 +116,15 @@ def run(args: argparse.Namespace) -> int:
     replay_rows = Batches(train_stream, corpus.train, bpe, args.seq_len, chat=args.chat, copy=args.copy)
     eval_rows = _held_out_rows(token_stream(bpe, corpus.held_out), args.seq_len, 32)
     held_before = evaluate(model, hasher, eval_rows, 8, reference=True)
-    print(f"held-out corpus loss before: {held_before:.4f}", file=sys.stderr)
+    repeats = Repeats(checkpoint.config.text.vocab_size, stage=len(INDUCTION_ALPHABETS) - 1)
+    repeats_before = repeats.accuracy(model, hasher, seed=args.seed, reference=True)
+    print(f"held-out corpus loss before: {held_before:.4f}; repeats {repeats_before}", file=sys.stderr)
 
     torch.manual_seed(args.seed)
     optimizers = training.build_optimizers(model, args.lr)
     generator = torch.Generator().manual_seed(args.seed)
     rng = random.Random(f"train-tools:{args.seed}")
-    log = {"steps": [], "tool_loss": [], "corpus_loss": []}
+    log = {"steps": [], "tool_loss": [], "corpus_loss": [], "repeat_loss": []}
     step, elapsed, seen = 0, 0.0, 0
     if args.resume:
         if not (state_dir / "state.pt").exists():
@@ -138,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         generator.set_state(state["generator"])
         rng.setstate(state["rng"])
         step, elapsed, log, held_before = state["step"], state["elapsed"], state["log"], state["held_before"]
+        repeats_before = state["repeats_before"]
         seen = state["seen"]
         print(f"resumed at step {step} ({_format_time(elapsed)} trained)", file=sys.stderr)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         tmp = state_dir / "state.pt.tmp"
         torch.save({"model": model.state_dict(), "optimizers": [o.state_dict() for o in optimizers],
                     "generator": generator.get_state(), "rng": rng.getstate(), "step": step, "elapsed": elapsed,
-                    "log": log, "held_before": held_before, "seen": seen}, tmp)
+                    "log": log, "held_before": held_before, "repeats_before": repeats_before, "seen": seen}, tmp)
         tmp.replace(state_dir / "state.pt")
 
     budget = time_budget(args.minutes, args.steps, MINUTES)
@@ -165,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                           for r in rendered], pad)
         seen += sum(sum(r.targets) for r in rendered)
         result = training.train_forward(model, ids, hasher.hash_ids(ids)[0] if hasher else None)
-        tool_loss = masked_loss(result.logits, ids, mask)
+        tool_loss = training.masked_lm_loss(result.logits, ids, mask)
         loss = tool_loss + result.indexer_loss
         loads = result.loads
         corpus_loss = torch.zeros(())
@@ -176,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
             corpus_loss = training.lm_loss(result.logits, rows)
             loss = loss + args.replay_weight * corpus_loss + result.indexer_loss
             loads = {k: loads[k] + result.loads[k] for k in loads}
+        if args.induction:
+            repeat_loss, result = repeats.train_loss(model, hasher, args.induction, generator)
+            loss = loss + repeat_loss + result.indexer_loss
+            loads = {k: loads[k] + result.loads[k] for k in loads}
+            log["repeat_loss"].append(round(float(repeat_loss.detach()), 4))
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -209,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
                 shutil.copyfile(args.checkpoint / name, out / name)
     saved = load_checkpoint(out)
     held_after = evaluate(saved.backbone, hasher, eval_rows, 8, reference=True)
-    print(f"held-out corpus loss: {held_before:.4f} before, {held_after:.4f} after", file=sys.stderr)
+    repeats_after = repeats.accuracy(saved.backbone, hasher, seed=args.seed, reference=True)
+    print(f"held-out corpus loss: {held_before:.4f} before, {held_after:.4f} after; "
+          f"repeats {repeats_before} before, {repeats_after} after", file=sys.stderr)
     evaluation = evaluate_tools(out, args.eval) if args.eval else None
     report = {
         "source": str(args.checkpoint), "steps": step, "train_seconds": round(elapsed, 1),
@@ -217,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         "replay_batch": args.replay_batch, "replay_weight": args.replay_weight, "chat": args.chat, "copy": args.copy, "seq_len": args.seq_len, "lr": args.lr,
         "content_weight": args.content_weight,
         "held_out_corpus_loss": {"before": round(held_before, 4), "after": round(held_after, 4)},
+        "induction": args.induction,
+        "repeat_accuracy": {"lengths": list(INDUCTION_PROBES), "before": repeats_before, "after": repeats_after},
         "evaluation": evaluation, "log": log,
     }
     earlier = args.checkpoint / "tool_training.json"

@@ -65,6 +65,7 @@ __all__ = [
     "init_module",
     "lm_loss",
     "lr_factor",
+    "masked_lm_loss",
     "newton_schulz",
     "quantised_weight_names",
     "set_lr",
@@ -306,6 +307,14 @@ def train_forward(
 def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (nats)."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+
+
+def masked_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy weighted per position of ``input_ids`` (0: not a
+    target), normalised by the weights' sum."""
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
+    weights = weights[:, 1:].flatten()
+    return (losses * weights).sum() / weights.sum().clamp(min=1)
 
 
 # ---------------------------------------------------------------------- init, balancing
