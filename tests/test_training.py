@@ -319,6 +319,17 @@ def test_a_run_given_only_steps_is_not_cut_by_the_default_minutes():
         assert parser.parse_args(["--minutes", "3"]).minutes == 3.0
 
 
+@pytest.mark.parametrize("command", ["train-small", "train-tools", "train-drafter"])
+def test_a_run_with_no_time_limit_and_no_steps_is_refused(command, tmp_path, capsys):
+    """`--minutes 0` means no time limit: without --steps the run would never end
+    (train-drafter ran forever)."""
+    from cluster.cli import main
+
+    assert main([command, "--out", str(tmp_path / "x"), "--minutes", "0"]) == 2
+    assert "give --steps or a positive --minutes" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_repeat_rows_copy_their_tokens_and_weigh_only_the_predictable_copy():
     """The induction curriculum's rows: <bos> x x, x from the current alphabet of
     ordinary tokens, the loss on the second copy's tokens after its first."""

@@ -18,3 +18,11 @@ def time_budget(minutes: float | None, steps: int | None, default: float) -> flo
     if minutes is None:
         minutes = 0.0 if steps else default
     return minutes * 60 if minutes > 0 else math.inf
+
+
+def check_bounded(minutes: float | None, steps: int | None) -> None:
+    """A run must end: ``--minutes 0`` (no time limit) needs ``--steps``."""
+    if steps is None and minutes is not None and minutes <= 0:
+        from cluster.cli import UserError
+
+        raise UserError("give --steps or a positive --minutes")

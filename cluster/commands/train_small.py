@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.commands import minutes_argument, time_budget
+from cluster.commands import check_bounded, minutes_argument, time_budget
 
 MINUTES = 45.0  # the time budget when neither --minutes nor --steps is given
 
@@ -420,8 +420,7 @@ def run(args: argparse.Namespace) -> int:
 
     out: Path = args.out
     state_dir = out / "train-state"
-    if args.steps is None and args.minutes is not None and args.minutes <= 0:
-        raise UserError("give --steps or a positive --minutes")
+    check_bounded(args.minutes, args.steps)
     if args.seq_len < 64:
         raise UserError("--seq-len must be at least 64")
     if not 0 < args.window < args.seq_len:

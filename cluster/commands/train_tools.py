@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.commands import minutes_argument, time_budget
+from cluster.commands import check_bounded, minutes_argument, time_budget
 
 MINUTES = 45.0  # the time budget when neither --minutes nor --steps is given
 
@@ -93,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from model.config import ConfigError
     from model.loader import Checkpoint, CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
 
-    if args.steps is None and args.minutes is not None and args.minutes <= 0:
-        raise UserError("give --steps or a positive --minutes")
+    check_bounded(args.minutes, args.steps)
     try:
         checkpoint = load_checkpoint(args.checkpoint)
         hasher = load_hasher(args.checkpoint, checkpoint.config)
