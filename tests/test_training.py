@@ -331,8 +331,8 @@ def test_a_run_with_no_time_limit_and_no_steps_is_refused(command, tmp_path, cap
 
 
 def test_repeat_rows_copy_their_tokens_and_weigh_only_the_predictable_copy():
-    """The induction curriculum's rows: <bos> x x, x from the current alphabet of
-    ordinary tokens, the loss on the second copy's tokens after its first."""
+    """The induction curriculum's rows: <bos> x x, x distinct tokens from the current
+    alphabet of ordinary tokens, the loss on the second copy's tokens after its first."""
     from cluster.commands.train_small import INDUCTION_LENGTHS, SPECIAL_TOKENS, Repeats
 
     repeats = Repeats(vocab_size=4096)
@@ -346,6 +346,7 @@ def test_repeat_rows_copy_their_tokens_and_weigh_only_the_predictable_copy():
         assert (ids[:, 0] == 0).all() and torch.equal(ids[:, 1 : length + 1], ids[:, length + 1 :])
         x = ids[:, 1:]
         assert x.min() >= len(SPECIAL_TOKENS) and x.max() < len(SPECIAL_TOKENS) + 64
+        assert all(len(set(row)) == length for row in ids[:, 1 : length + 1].tolist())  # distinct
         # Weighted targets: ids[:, L + 2 :], predicted from ids[:, L + 1 : -1].
         assert weights[:, : length + 2].sum() == 0 and (weights[:, length + 2 :] == 1).all()
     assert len(lengths) > 5

@@ -303,9 +303,11 @@ class Batches:
 
 
 class Repeats:
-    """The induction curriculum: rows ``<bos> x x`` of ``L`` random tokens ``x`` repeated,
-    the loss on the second copy after its first token (the first copy and its first token
-    are unpredictable).
+    """The induction curriculum: rows ``<bos> x x`` of ``L`` distinct random tokens ``x``
+    repeated, the loss on the second copy after its first token (the first copy and its
+    first token are unpredictable). Distinct, so that the token after the one earlier
+    occurrence of the current token is always right: with repeats in ``x`` (64 tokens, L =
+    40) plain induction is ambiguous and the task asks for more than the heads.
 
     A model trained on code alone never learns to copy a token it has not seen in that
     context (an *induction head*: attend to the token after the earlier occurrence of the
@@ -334,7 +336,12 @@ class Repeats:
 
         if length is None:
             length = int(torch.randint(INDUCTION_LENGTHS[0], INDUCTION_LENGTHS[1] + 1, (), generator=generator))
-        x = len(SPECIAL_TOKENS) + torch.randint(0, self.alphabet(stage), (rows, length), generator=generator)
+        alphabet = self.alphabet(stage)
+        if length <= alphabet:  # distinct tokens: each has one earlier occurrence to copy from
+            x = torch.rand((rows, alphabet), generator=generator).argsort(dim=1)[:, :length]
+        else:
+            x = torch.randint(0, alphabet, (rows, length), generator=generator)
+        x = x + len(SPECIAL_TOKENS)
         ids = torch.cat([torch.full((rows, 1), BOS), x, x], dim=1)
         weights = torch.zeros(ids.shape)
         weights[:, length + 2 :] = 1.0
