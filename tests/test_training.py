@@ -231,7 +231,7 @@ def test_train_small_smoke_run_saves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "small"
     common = ["train-small", "--out", str(out), "--max-files", "50", "--vocab-size", "512", "--batch", "2",
               "--seq-len", "64", "--window", "16", "--copy", "0.5", "--induction", "2", "--induction-every", "2",
-              "--induction-warmup", "3",
+              "--induction-phase", "3", "--induction-at", "0.5",
               "--eval-every", "2", "--eval-batches", "1", "--no-samples", "--minutes", "0"]
     assert main([*common, "--steps", "2", "--keep-state"]) == 0
     assert (out / "train-state" / "state.pt").exists()
@@ -241,8 +241,10 @@ def test_train_small_smoke_run_saves_a_loadable_checkpoint(tmp_path):
     assert report["steps"] == 4 and report["log"]["steps"] == [1, 2, 3, 4]
     assert [probe[0] for probe in report["log"]["induction"]] == [2, 4] and len(report["log"]["repeat_loss"]) == 4
     assert report["induction"]["rows_per_step"] == 2 and report["induction"]["alphabet"] == 64
-    assert report["induction"]["warmup"]["steps"] == 3  # once: the resumed run does not warm up again
-    assert len(report["log"]["warmup"]["loss"]) == 3 and report["log"]["warmup"]["probes"][0][0] == 2
+    # The phase ran once, halfway through the first run (step 1 of 2), and not again on resume.
+    assert report["induction"]["phase"] == {"at": 0.5, "steps": 3, "seconds": report["induction"]["phase"]["seconds"],
+                                            "widened": []}
+    assert len(report["log"]["phase"]["loss"]) == 3 and report["log"]["phase"]["probes"][0][0] == 2
     assert sorted(report["induction"]["repeat_accuracy"]) == ["10", "20", "40"]
     assert abs(report["held_out_loss"] - report["held_out_loss_saved_checkpoint"]) < 1e-3
     assert 0.5 < report["held_out_bits_per_byte"] < 8 * report["held_out_loss_saved_checkpoint"]

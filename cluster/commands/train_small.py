@@ -78,9 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random-token repeat rows per step (the induction curriculum; 0: none)")
     parser.add_argument("--induction-every", type=int, default=25,
                         help="steps between repeat-accuracy probes (the alphabet widens when they pass)")
-    parser.add_argument("--induction-warmup", type=int, default=0,
-                        help="at most N steps of repeat rows alone before the corpus (ends when the whole "
-                             "vocabulary's probes pass; outside --steps and --minutes; 0: none)")
+    parser.add_argument("--induction-phase", type=int, default=0,
+                        help="at most N steps of repeat rows alone, once (ends when the whole vocabulary's probes "
+                             "pass; outside --steps and --minutes; 0: none)")
+    parser.add_argument("--induction-at", type=float, default=0.0,
+                        help="share of the schedule after which the induction phase runs (0: before the corpus)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=4096)
@@ -494,7 +496,8 @@ def run(args: argparse.Namespace) -> int:
         }, tmp)
         tmp.replace(state_dir / "state.pt")
 
-    warm_up_induction(model, optimizers, repeats, hasher, generator, args, log, save_state)
+    phase = log.setdefault("phase", {"steps": 0, "seconds": 0.0, "loss": [], "probes": [], "widened": [],
+                                     "done": not (args.induction and args.induction_phase)})
     budget = time_budget(args.minutes, args.steps, MINUTES)
     tokens_per_step = args.batch * args.seq_len
     last_save, window_start, window_steps = time.time(), time.time(), 0
@@ -503,6 +506,9 @@ def run(args: argparse.Namespace) -> int:
         progress = max(step / args.steps if args.steps else 0.0, elapsed / budget)
         if progress >= 1.0:
             break
+        if not phase["done"] and progress >= args.induction_at:
+            induction_phase(model, optimizers, repeats, hasher, generator, args, phase, save_state)
+            window_start, window_steps = time.time(), 0
         tick = time.time()
         training.set_lr(optimizers, training.lr_factor(progress))
         ids = data.sample(args.batch, generator)
@@ -590,8 +596,8 @@ def run(args: argparse.Namespace) -> int:
         "unigram_baseline": round(baseline, 4), "replayed_sequences": log["replays"],
         "induction": {"rows_per_step": args.induction, "alphabet": repeats.alphabet(),
                       "widened": log["widened"],
-                      "warmup": {"steps": log["warmup"]["steps"], "seconds": round(log["warmup"]["seconds"], 1),
-                                 "widened": log["warmup"]["widened"]},
+                      "phase": {"at": args.induction_at, "steps": phase["steps"],
+                                "seconds": round(phase["seconds"], 1), "widened": phase["widened"]},
                       "repeat_accuracy": dict(zip(map(str, INDUCTION_PROBES), full_vocab))},
         "log": log,
     }
@@ -606,23 +612,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def warm_up_induction(model, optimizers, repeats: Repeats, hasher, generator, args, log: dict, save_state) -> None:
+def induction_phase(model, optimizers, repeats: Repeats, hasher, generator, args, phase: dict, save_state) -> None:
     """Repeat rows alone at the peak learning rate (after a 50-step ramp), widening the
-    alphabet as in the main loop, until the whole vocabulary's probes pass or
-    ``--induction-warmup`` steps (resumable: its state is ``log["warmup"]``). Rows are
-    short, so a step costs a fraction of a corpus step; the heads then form without the
-    corpus's gradient drowning theirs."""
+    alphabet as the main loop does, until the whole vocabulary's probes pass or
+    ``--induction-phase`` steps. Resumable (its state, ``phase``, is in the log). Rows
+    are short, so a step costs a fraction of a corpus step, and the heads form without
+    the corpus's gradient drowning theirs."""
     import torch
 
     from model import training
 
-    warmup = log.setdefault("warmup", {"steps": 0, "seconds": 0.0, "loss": [], "probes": [], "widened": [],
-                                       "done": not (args.induction and args.induction_warmup)})
     last_save = time.time()
     model.train()
-    while not warmup["done"]:
+    while not phase["done"]:
         tick = time.time()
-        training.set_lr(optimizers, min(1.0, (warmup["steps"] + 1) / 50))
+        training.set_lr(optimizers, min(1.0, (phase["steps"] + 1) / 50))
         loss, result = repeats.train_loss(model, hasher, args.induction, generator)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
@@ -631,27 +635,26 @@ def warm_up_induction(model, optimizers, repeats: Repeats, hasher, generator, ar
         for opt in optimizers:
             opt.step()
         training.balance_routers(model, result.loads, gamma=1e-3)
-        warmup["steps"] += 1
-        warmup["seconds"] += time.time() - tick
-        warmup["loss"].append(round(float(loss.detach()), 4))
-        if warmup["steps"] % args.induction_every == 0:
-            accuracies = repeats.accuracy(model, hasher, seed=1_000_000 + warmup["steps"])
-            warmup["probes"].append([warmup["steps"], repeats.alphabet(), accuracies])
+        phase["steps"] += 1
+        phase["seconds"] += time.time() - tick
+        phase["loss"].append(round(float(loss.detach()), 4))
+        if phase["steps"] % args.induction_every == 0:
+            accuracies = repeats.accuracy(model, hasher, seed=1_000_000 + phase["steps"])
+            phase["probes"].append([phase["steps"], repeats.alphabet(), accuracies])
             if repeats.final and min(accuracies) >= INDUCTION_PASS:
-                warmup["done"] = True
+                phase["done"] = True
             elif repeats.update(accuracies):
-                warmup["widened"].append([warmup["probes"][-1][1], warmup["steps"]])
-        warmup["done"] = warmup["done"] or warmup["steps"] >= args.induction_warmup
-        probe = f"| repeats {warmup['probes'][-1][2]} of {warmup['probes'][-1][1]} " if warmup["probes"] else ""
-        print(f"\rinduction warm-up {warmup['steps']}/{args.induction_warmup} | repeat loss "
-              f"{sum(warmup['loss'][-20:]) / len(warmup['loss'][-20:]):.3f} {probe}  ", end="", file=sys.stderr,
+                phase["widened"].append([phase["probes"][-1][1], phase["steps"]])
+        phase["done"] = phase["done"] or phase["steps"] >= args.induction_phase
+        probe = f"| repeats {phase['probes'][-1][2]} of {phase['probes'][-1][1]} " if phase["probes"] else ""
+        print(f"\rinduction phase {phase['steps']}/{args.induction_phase} | repeat loss "
+              f"{sum(phase['loss'][-20:]) / len(phase['loss'][-20:]):.3f} {probe}  ", end="", file=sys.stderr,
               flush=True)
-        if time.time() - last_save > args.save_every * 60 or warmup["done"]:
+        if time.time() - last_save > args.save_every * 60 or phase["done"]:
             save_state()
             last_save = time.time()
-    if warmup["steps"]:
-        print(f"\ninduction warm-up: {warmup['steps']} steps, {warmup['seconds']:.0f} s, alphabet "
-              f"{repeats.alphabet()}", file=sys.stderr)
+    print(f"\ninduction phase: {phase['steps']} steps, {phase['seconds']:.0f} s, alphabet {repeats.alphabet()}",
+          file=sys.stderr)
 
 
 def _replay_starts(batch: int, seq_len: int, window: int, generator, p_decoder: float = 0.25, p_encoder: float = 0.1):
