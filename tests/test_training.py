@@ -332,6 +332,17 @@ def test_a_run_with_no_time_limit_and_no_steps_is_refused(command, tmp_path, cap
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("options, message", [
+    (["--induction", "0", "--induction-phase", "5"], "--induction-phase needs repeat rows"),
+    (["--induction-phase", "5", "--induction-at", "1"], "--induction-at is a share of the schedule"),
+])
+def test_train_small_refuses_an_induction_phase_that_could_not_run(options, message, tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["train-small", "--out", str(tmp_path / "x"), "--steps", "1", *options]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
 def test_repeat_rows_copy_their_tokens_and_weigh_only_the_predictable_copy():
     """The induction curriculum's rows: <bos> x x, x distinct tokens from the current
     alphabet of ordinary tokens, the loss on the second copy's tokens after its first."""

@@ -430,6 +430,10 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out
     state_dir = out / "train-state"
     check_bounded(args.minutes, args.steps)
+    if args.induction_phase and args.induction <= 0:
+        raise UserError("--induction-phase needs repeat rows: give --induction N with N > 0")
+    if not 0.0 <= args.induction_at < 1.0:
+        raise UserError("--induction-at is a share of the schedule: from 0 up to (not including) 1")
     if args.seq_len < 64:
         raise UserError("--seq-len must be at least 64")
     if not 0 < args.window < args.seq_len:
