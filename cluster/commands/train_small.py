@@ -501,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
         tmp.replace(state_dir / "state.pt")
 
     phase = log.setdefault("phase", {"steps": 0, "seconds": 0.0, "loss": [], "probes": [], "widened": [],
-                                     "done": not (args.induction and args.induction_phase)})
+                                     "done": not args.induction_phase})
     budget = time_budget(args.minutes, args.steps, MINUTES)
     tokens_per_step = args.batch * args.seq_len
     last_save, window_start, window_steps = time.time(), time.time(), 0
@@ -529,13 +529,7 @@ def run(args: argparse.Namespace) -> int:
             total_loss = total_loss + repeat_loss + repeated.indexer_loss
             loads = {k: loads[k] + repeated.loads[k] for k in loads}
             log["repeat_loss"].append(round(float(repeat_loss.detach()), 4))
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        total_loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        for opt in optimizers:
-            opt.step()
-        training.balance_routers(model, loads, gamma=1e-3)
+        training.backbone_step(model, optimizers, total_loss, loads)
         step += 1
         elapsed += time.time() - tick
         log["steps"].append(step)
@@ -622,8 +616,6 @@ def induction_phase(model, optimizers, repeats: Repeats, hasher, generator, args
     ``--induction-phase`` steps. Resumable (its state, ``phase``, is in the log). Rows
     are short, so a step costs a fraction of a corpus step, and the heads form without
     the corpus's gradient drowning theirs."""
-    import torch
-
     from model import training
 
     last_save = time.time()
@@ -632,13 +624,7 @@ def induction_phase(model, optimizers, repeats: Repeats, hasher, generator, args
         tick = time.time()
         training.set_lr(optimizers, min(1.0, (phase["steps"] + 1) / 50))
         loss, result = repeats.train_loss(model, hasher, args.induction, generator)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        (loss + result.indexer_loss).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        for opt in optimizers:
-            opt.step()
-        training.balance_routers(model, result.loads, gamma=1e-3)
+        training.backbone_step(model, optimizers, loss + result.indexer_loss, result.loads)
         phase["steps"] += 1
         phase["seconds"] += time.time() - tick
         phase["loss"].append(round(float(loss.detach()), 4))

@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         Repeats,
         _format_time,
         _held_out_rows,
+        _engram_ids,
         _replay_starts,
         evaluate,
         load_corpus,
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         ids, mask = _pad([(r.ids, [args.content_weight if c else float(t) for t, c in zip(r.targets, r.content)])
                           for r in rendered], pad)
         seen += sum(sum(r.targets) for r in rendered)
-        result = training.train_forward(model, ids, hasher.hash_ids(ids)[0] if hasher else None)
+        result = training.train_forward(model, ids, _engram_ids(hasher, ids))
         tool_loss = training.masked_lm_loss(result.logits, ids, mask)
         loss = tool_loss + result.indexer_loss
         loads = result.loads
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         if args.replay_batch:
             rows = replay_rows.sample(args.replay_batch, generator)
             replay = _replay_starts(args.replay_batch, args.seq_len + 1, window, generator)
-            result = training.train_forward(model, rows, hasher.hash_ids(rows)[0] if hasher else None, replay)
+            result = training.train_forward(model, rows, _engram_ids(hasher, rows), replay)
             corpus_loss = training.lm_loss(result.logits, rows)
             loss = loss + args.replay_weight * corpus_loss + result.indexer_loss
             loads = {k: loads[k] + result.loads[k] for k in loads}
@@ -179,13 +180,7 @@ def run(args: argparse.Namespace) -> int:
             loss = loss + repeat_loss + result.indexer_loss
             loads = {k: loads[k] + result.loads[k] for k in loads}
             log["repeat_loss"].append(round(float(repeat_loss.detach()), 4))
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        for opt in optimizers:
-            opt.step()
-        training.balance_routers(model, loads, gamma=1e-3)
+        training.backbone_step(model, optimizers, loss, loads)
         step += 1
         elapsed += time.time() - tick
         log["steps"].append(step)

@@ -58,6 +58,7 @@ __all__ = [
     "ReplayStarts",
     "TrainOutput",
     "attention_target",
+    "backbone_step",
     "balance_routers",
     "build_optimizers",
     "fake_quant_weight",
@@ -337,6 +338,20 @@ def balance_routers(model: Transformer, loads: dict[int, torch.Tensor], gamma: f
 
 
 # ---------------------------------------------------------------------- optimizers
+
+
+def backbone_step(model: Transformer, optimizers: list[torch.optim.Optimizer], loss: torch.Tensor,
+                  loads: dict[int, torch.Tensor], clip: float = 1.0, gamma: float = 1e-3) -> None:
+    """One update of a backbone: backward, gradient norm clipped to ``clip``, every
+    optimizer stepped, then the routers balanced by the step's expert ``loads``."""
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+    for opt in optimizers:
+        opt.step()
+    balance_routers(model, loads, gamma=gamma)
+
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
