@@ -534,7 +534,7 @@ def run(args: argparse.Namespace) -> int:
         elapsed += time.time() - tick
         log["steps"].append(step)
         log["loss"].append(round(float(loss.detach()), 4))
-        log["indexer_kl"].append(round(float(result.indexer_loss), 4))
+        log["indexer_kl"].append(round(float(result.indexer_loss.detach()), 4))
         window_steps += 1
         if args.induction and step % args.induction_every == 0:
             accuracies = repeats.accuracy(model, hasher, seed=step)
@@ -555,7 +555,7 @@ def run(args: argparse.Namespace) -> int:
         recent = log["loss"][-20:]
         total = args.steps if args.steps else "?"
         induction = f"| repeats {log['induction'][-1][2]} of {log['induction'][-1][1]} " if log["induction"] else ""
-        print(f"\rstep {step}/{total} | loss {sum(recent) / len(recent):.3f} | ix-KL {float(result.indexer_loss):.3f} "
+        print(f"\rstep {step}/{total} | loss {sum(recent) / len(recent):.3f} | ix-KL {log['indexer_kl'][-1]:.3f} "
               f"{induction}"
               f"| {rate:,.0f} tok/s | ETA {_format_time(remaining)}   ", end="", file=sys.stderr, flush=True)
         if time.time() - window_start > 60:
