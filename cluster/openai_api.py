@@ -76,6 +76,38 @@ class GenerationRequest:
     def forces_calls(self) -> bool:
         return self.tool_choice in ("required", "function")
 
+    def grammar(self, dsml: int | None, think_end: int | None) -> tuple[str, tuple[int, ...], str] | None:
+        """(grammar, the tokens it starts after, the parameter it enforces) for the
+        answer, or None when the answer is free:
+
+        - ``tool_choice`` required or named: the answer is a calls block;
+        - ``response_format``: the answer is JSON of its schema;
+        - ``tool_choice`` auto: the answer is free until the model opens a calls block;
+          from its ``｜DSML｜`` token on, the block follows the grammar of a forced call
+          (a call the model begins always parses, names a listed tool, has arguments of
+          its schema, and is the only one when ``parallel_tool_calls`` is false). That
+          needs the markup's token (``dsml``): with an older tokenizer auto is free, and
+          ``parallel_tool_calls: false`` is a 400.
+
+        With thinking on, each starts after ``</think>`` (``think_end``): the reasoning is free."""
+        from model.runtime.grammar import json_grammar, tool_call_grammar
+
+        reasoning = (think_end,) if self.thinking else ()
+        if self.forces_calls:
+            return tool_call_grammar(self.tools, self.tool_name, self.parallel_tool_calls, dsml), reasoning, "tools"
+        if self.response_format is not None:
+            return json_grammar(self.response_format["schema"]), reasoning, "response_format"
+        if not self.parses_calls:
+            return None
+        if dsml is None:
+            if not self.parallel_tool_calls:
+                raise ApiError(400, "parallel_tool_calls: false needs tool_choice 'required' or a named function "
+                                    "with this tokenizer (it has no ｜DSML｜ token to start a grammar at)",
+                               "parallel_tool_calls")
+            return None
+        return (tool_call_grammar(self.tools, None, self.parallel_tool_calls, dsml, opened=True),
+                (*reasoning, dsml), "tools")
+
 
 # OpenAI's reasoning_effort names on V4.1's dial (1-100). The released encoder names three
 # points, low = 50, high = 75, max = 100; OpenAI's other names sit between and below them:
@@ -460,10 +492,6 @@ def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str, str | None]:
             except jsonschema.SchemaError as error:
                 raise ApiError(400, f"tools: the parameters of strict tool {tool.function.name!r} are not a JSON "
                                     f"schema: {error.message}", "tools") from None
-    forced = choice in ("required", "function")
-    if not forced and request.parallel_tool_calls is False and functions:
-        raise ApiError(400, "parallel_tool_calls: false is enforced only with tool_choice 'required' or a named "
-                            "function", "parallel_tool_calls")
     return functions, choice, name
 
 

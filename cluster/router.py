@@ -36,7 +36,7 @@ from cluster import openai_api as api
 from cluster.config import AppConfig
 from cluster.images import ImageLimits, read_image
 from cluster.routing import DecoderLoad, known_replicas
-from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, tool_call_grammar
+from model.runtime.grammar import GrammarCompiler, GrammarError
 from storage.keys import ObjectKey
 
 # A request's trip, mark to mark: (Server-Timing name, from, to).
@@ -426,23 +426,19 @@ class Router:
             raise api.ApiError(400, str(error), "messages") from None
 
     def _constrained(self, request: api.GenerationRequest) -> api.GenerationRequest:
-        """The request with the grammar its answer must follow (a forced tool call, or
-        JSON), checked here so that a schema the engine cannot compile is a 400."""
-        if request.forces_calls:
-            grammar = tool_call_grammar(request.tools, request.tool_name, request.parallel_tool_calls, self.dsml)
-            param = "tools"
-        elif request.response_format is not None:
-            grammar, param = json_grammar(request.response_format["schema"]), "response_format"
-        else:
+        """The request with the grammar its answer must follow (``GenerationRequest.grammar``),
+        checked here so that a schema the engine cannot compile is a 400."""
+        chosen = request.grammar(self.dsml, self.think_end)
+        if chosen is None:
             return request
+        grammar, after, param = chosen
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer.json, self.tokenizer.vocab_size, self.tokenizer.special.eos)
         try:
             self.grammars.check(grammar)
         except GrammarError as error:
             raise api.ApiError(400, f"{param}: the schema cannot be enforced: {error}", param) from None
-        params = dataclasses.replace(request.params, grammar=grammar,
-                                     grammar_after=self.think_end if request.thinking else None)
+        params = dataclasses.replace(request.params, grammar=grammar, grammar_after=after)
         return dataclasses.replace(request, params=params)
 
     def _remember(self, answer: api.ChatAnswer, tokens: list[int]) -> None:

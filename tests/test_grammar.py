@@ -38,6 +38,8 @@ WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties":
     "metric": {"type": "boolean"}, "note": {"type": "string", "minLength": 1, "maxLength": 8}},
     "required": ["city", "days", "note"]}}  # a string as is, within its length bounds
 CLOCK = {"name": "clock", "parameters": {"type": "object", "properties": {}}}
+MEMO = {"name": "memo", "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
+                                       "required": ["text"]}}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +112,7 @@ def test_the_grammar_starts_after_the_reasoning(tiny):
     """With thinking on, the reasoning is free and the grammar governs what follows ``</think>``."""
     _, _, tokenizer = tiny
     compiler = GrammarCompiler(tokenizer.json, tokenizer.vocab_size, tokenizer.special.eos)
-    constraint = compiler.constraint(json_grammar(SCHEMAS[0]), tokenizer.vocab_size, tokenizer.special.think_end)
+    constraint = compiler.constraint(json_grammar(SCHEMAS[0]), tokenizer.vocab_size, (tokenizer.special.think_end,))
     for token in tokenizer.encode("anything at all }{"):
         assert constraint.mask() is None
         constraint.advance(token)
@@ -167,26 +169,17 @@ def test_a_call_follows_the_grammar_where_the_markup_is_one_token(note):
     ends a string argument with hold a token, not text. A well-formed call, written as
     the template writes it, walks the grammar to its end, a value may contain "</"
     (unbounded), and the markup spelled as text is outside the grammar."""
-    import tokenizers
-
-    from model.chat import ChatTemplate
     from model.tools import DSML, ToolCall, calls_text
 
-    raw = tokenizers.Tokenizer.from_file("tests/golden/A/tokenizer.json")
-    raw.add_special_tokens([tokenizers.AddedToken(DSML, special=True, normalized=False)])
-    tokenizer = Tokenizer(raw.to_str())
+    tokenizer = _dsml_tokenizer()
     dsml = tokenizer.special.dsml
-    memo = {"name": "memo", "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
-                                           "required": ["text"]}}
     compiler = GrammarCompiler(tokenizer.json, tokenizer.vocab_size, tokenizer.special.eos)
     calls = [ToolCall("get_weather", json.dumps({"city": "Rome", "days": 3, "note": "ok"}), "a"),
              ToolCall("memo", json.dumps({"text": note}), "b")]
     text = calls_text(calls)
-    ids = []
-    for part in ChatTemplate(tokenizer)._markup(text):
-        ids += [part] if isinstance(part, int) else tokenizer.encode(part)
+    ids = _markup_ids(tokenizer, text)
     assert ids.count(dsml) == text.count(DSML)
-    constraint = compiler.constraint(tool_call_grammar([WEATHER, memo, CLOCK], None, True, dsml),
+    constraint = compiler.constraint(tool_call_grammar([WEATHER, MEMO, CLOCK], None, True, dsml),
                                      tokenizer.vocab_size)
     for token in ids:
         assert constraint.mask()[token], tokenizer.decode(ids[: ids.index(token) + 1])
@@ -199,3 +192,67 @@ def test_a_call_follows_the_grammar_where_the_markup_is_one_token(note):
         spelled.advance(token)
     allowed = spelled.mask()
     assert allowed[dsml] and not allowed[tokenizer.encode(DSML)[0]]
+
+
+def _dsml_tokenizer() -> Tokenizer:
+    """The golden tokenizer with ``｜DSML｜`` as one special token, as in the release."""
+    import tokenizers
+
+    from model.tools import DSML
+
+    raw = tokenizers.Tokenizer.from_file("tests/golden/A/tokenizer.json")
+    raw.add_special_tokens([tokenizers.AddedToken(DSML, special=True, normalized=False)])
+    return Tokenizer(raw.to_str())
+
+
+def _markup_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """``text`` as the chat template tokenizes an answer (the markup's token as one id)."""
+    from model.chat import ChatTemplate
+
+    ids = []
+    for part in ChatTemplate(tokenizer)._markup(text):
+        ids += [part] if isinstance(part, int) else tokenizer.encode(part)
+    return ids
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_an_auto_answer_is_free_until_the_model_opens_a_call(thinking):
+    """``tool_choice`` auto: text (and the reasoning) is free; from the ｜DSML｜ token
+    that opens a calls block, the rest follows the tools' grammar: the template's own
+    rendering of a call walks it to the end, a tool not offered or a second call where
+    parallel calls are off is refused, and a look-ahead across the trigger rewinds."""
+    from model.tools import ToolCall, calls_text, split_answer
+
+    tokenizer = _dsml_tokenizer()
+    dsml, think_end = tokenizer.special.dsml, tokenizer.special.think_end
+    compiler = GrammarCompiler(tokenizer.json, tokenizer.vocab_size, tokenizer.special.eos)
+    after = (think_end, dsml) if thinking else (dsml,)
+    reasoning = _markup_ids(tokenizer, "a call? " + calls_text([ToolCall("clock", "{}", "x")])) + [think_end] \
+        if thinking else []  # a block inside the reasoning does not start the grammar
+    call = ToolCall("get_weather", json.dumps({"city": "Paris", "days": 2, "note": "a b"}), "a")
+    ids = reasoning + _markup_ids(tokenizer, "Let me look." + calls_text([call]))
+    opens = ids.index(dsml, len(reasoning))
+    constraint = compiler.constraint(tool_call_grammar([WEATHER, MEMO], None, False, dsml, opened=True),
+                                     tokenizer.vocab_size, after)
+    assert all(m is None for m in constraint.masks_along(ids[:opens]))
+    assert constraint.masks_along(ids[: opens + 3])[-1] is not None  # the look-ahead entered the grammar
+    for k, token in enumerate(ids):
+        mask = constraint.mask()
+        assert (mask is None) == (k <= opens), k
+        assert mask is None or mask[token], tokenizer.decode(ids[: k + 1])
+        constraint.advance(token)
+    assert constraint.matcher.is_accepting()
+    content, calls = split_answer([tokenizer.decode(ids[len(reasoning):])])
+    assert content == "Let me look." and [(c.name, c.arguments) for c in calls] == [(call.name, call.arguments)]
+    # After the trigger: only the offered tools' names; and one call, since parallel is off.
+    fresh = compiler.constraint(tool_call_grammar([WEATHER, MEMO], None, False, dsml, opened=True),
+                                tokenizer.vocab_size, (dsml,))
+    head = _markup_ids(tokenizer, calls_text([ToolCall("clock", "{}", "x")]))
+    refused = next(k for k, token in enumerate(head[1:], 1) if not fresh.try_advance(token))
+    assert tokenizer.decode(head[: refused + 1]).endswith("c")  # invoke name="c...: no tool starts so
+    two = _markup_ids(tokenizer, calls_text([call, call]))
+    single = compiler.constraint(tool_call_grammar([WEATHER, MEMO], None, False, dsml, opened=True),
+                                 tokenizer.vocab_size, (dsml,))
+    assert not all(single.try_advance(token) for token in two)
+    with pytest.raises(GrammarError, match="DSML"):
+        tool_call_grammar([WEATHER], None, True, None, opened=True)

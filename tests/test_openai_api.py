@@ -39,8 +39,6 @@ def test_a_chat_request_becomes_a_generation_request():
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not among"),
     ({"tool_choice": "auto"}, "tool_choice", "no tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": False},
-     "parallel_tool_calls", "enforced only"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
      "response_format", "exclude each other"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
@@ -67,6 +65,32 @@ def test_a_parameter_is_implemented_or_refused_by_name(extra, param, words):
         _chat(**extra)
     assert caught.value.status == 400 and caught.value.param == param
     assert caught.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_each_answer_gets_the_grammar_its_tool_choice_asks_for():
+    """required / named: a calls block from the first answer token; auto: free text until
+    the model's ｜DSML｜ token, then the rest of a block; none: free. With thinking, after
+    </think>. Without the DSML token auto is free, and it cannot hold parallel_tool_calls
+    false: that is a 400 naming it."""
+    dsml, think_end = 9, 7
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    tools = {"tools": [weather]}
+    grammar, after, param = _chat(**tools, tool_choice="required").grammar(dsml, think_end)
+    assert after == () and param == "tools" and 'calls>' in grammar and "weather" in grammar
+    grammar, after, param = _chat(**tools).grammar(dsml, think_end)
+    assert after == (dsml,) and param == "tools" and "weather" in grammar
+    assert grammar.startswith('start: (" calls>\\n")')  # the marker's tail: its <｜DSML｜ is out already
+    assert _chat(**tools, reasoning_effort="high").grammar(dsml, think_end)[1] == (think_end, dsml)
+    single = _chat(**tools, parallel_tool_calls=False).grammar(dsml, think_end)[0]
+    assert single != grammar and "invoke)*" in grammar and "invoke)*" not in single
+    assert _chat(**tools, tool_choice="none").grammar(dsml, think_end) is None
+    assert _chat().grammar(dsml, think_end) is None
+    assert _chat(**tools).grammar(None, think_end) is None
+    with pytest.raises(ApiError, match="parallel_tool_calls") as caught:
+        _chat(**tools, parallel_tool_calls=False).grammar(None, think_end)
+    assert caught.value.status == 400 and caught.value.param == "parallel_tool_calls"
+    assert _chat(response_format={"type": "json_object"}).grammar(dsml, think_end)[1:] == ((), "response_format")
 
 
 def test_messages_are_checked_field_by_field():

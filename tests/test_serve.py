@@ -359,6 +359,9 @@ def test_an_agent_loop_of_immediate_turns_always_hits(client):
      400, None),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}).encode(),
      400, "context_length_exceeded"),
+    # This tokenizer has no ｜DSML｜ token, so auto cannot hold a call to one.
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": False,
+                 "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(), 400, None),
 ])
 def test_bad_requests_are_4xx_with_a_message(app, body, status, code):
     got, payload = _post(f"{app}/v1/chat/completions", body)

@@ -16,9 +16,12 @@ conversation offers, and scored:
   holds every result of the tools called just before; for a greeting, the expected
   reply), ``exact`` (the text is the expected answer).
 
-Call turns are generated twice: free (``tool_choice: auto``) and constrained
-(``required``: the grammar of a calls block over the offered tools, the server's
-constrained decoding), which makes every call well-formed by construction.
+Call turns are generated free (the model alone), constrained as ``tool_choice:
+required`` is served (the grammar of a calls block over the offered tools, which makes
+every call well-formed by construction) and, where the tokenizer has the ``｜DSML｜``
+token, as ``tool_choice: auto`` is served: free until the model opens a calls block,
+then under the same grammar (``call_auto``; a turn where the model does not call is
+not well-formed).
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ def _turns(conversations):
     return [(conv, i) for conv in conversations for i, m in enumerate(conv.messages) if m.role == "assistant"]
 
 
-def _generate(engine, tokenizer, prompts: list[list[int]], grammars: list[str | None], max_tokens: int = 192):
-    """Greedy answers: (text, whether it ended with the end token rather than at max_tokens)."""
+def _generate(engine, tokenizer, prompts: list[list[int]], grammars: list[str | None], max_tokens: int = 192,
+              after: tuple[int, ...] = ()):
+    """Greedy answers: (text, whether it ended with the end token rather than at max_tokens).
+    ``after``: the tokens each grammar starts after."""
     from model.runtime.batcher import generate
     from model.runtime.sampling import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, grammar=grammar) for grammar in grammars]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, grammar=grammar, grammar_after=after)
+              for grammar in grammars]
     outputs = generate(engine, prompts, params, (tokenizer.special.eos,), max_batch=16, tokenizer=tokenizer)
     # The end token is not returned: an answer that ended has fewer than max_tokens tokens.
     return [(tokenizer.decode(ids), len(ids) < max_tokens) for ids in outputs]
@@ -120,19 +126,27 @@ def evaluate_tools(checkpoint_dir: Path, n: int = 100, seed: int = 1,
             call_idx = [k for k, c in enumerate(calling) if c]
             forced = dict(zip(call_idx, _generate(engine, tokenizer, [prompts[k] for k in call_idx],
                                                   [grammars[k] for k in call_idx])))
-            rows: dict[str, list[dict[str, bool]]] = {"call": [], "call_constrained": [], "answer": []}
+            dsml = tokenizer.special.dsml
+            auto = {} if dsml is None else dict(zip(call_idx, _generate(
+                engine, tokenizer, [prompts[k] for k in call_idx],
+                [tool_call_grammar(turns[k][0].tools, None, True, dsml, opened=True) for k in call_idx],
+                after=(dsml,))))
+            rows: dict[str, list[dict[str, bool]]] = {"call": [], "call_constrained": [], "call_auto": [],
+                                                      "answer": []}
             for k, (conv, i) in enumerate(turns):
                 functions = {f["name"]: f for f in conv.tools}
                 if calling[k]:
                     expected = conv.messages[i].tool_calls
                     rows["call"].append(_score_call(free[k], expected, functions))
                     rows["call_constrained"].append(_score_call(forced[k], expected, functions))
+                    if auto:
+                        rows["call_auto"].append(_score_call(auto[k], expected, functions))
                 else:
                     rows["answer"].append(_score_answer(free[k], conv, i))
             report[split] = {kind: {"turns": len(scores),
                                     **{key: round(sum(s[key] for s in scores) / max(1, len(scores)), 3)
                                        for key in (scores[0] if scores else {})}}
-                             for kind, scores in rows.items()}
+                             for kind, scores in rows.items() if scores or kind != "call_auto"}
             report[split]["examples"] = [{"prompt_tail": template.render_text(turns[k][0].messages[:turns[k][1]],
                                                                               tools=turns[k][0].tools)[-160:],
                                           "generated": free[k][0]} for k in range(min(4, len(turns)))]

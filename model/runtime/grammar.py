@@ -7,8 +7,11 @@ an llguidance matcher: before each token is sampled, the tokens that cannot cont
 grammar get logit -inf; the sampled token advances the matcher. Once the grammar is
 complete, only the end-of-sentence token is allowed.
 
-With thinking on, the grammar governs the answer, not the reasoning: it starts after the
-``</think>`` token (``after_token``).
+A grammar may start later than the first token (``after``: tokens that must come first,
+in order). With thinking on, it governs the answer, not the reasoning: it starts after
+``</think>``. With ``tool_choice`` auto the answer is free until the model opens a calls
+block; from its ``｜DSML｜`` token on, the block follows the tools' grammar as a forced call
+does (``tool_call_grammar(..., opened=True)``), so a call the model begins always parses.
 
 DSpark verification: :meth:`Constraint.masks_along` gives the mask at the anchor and
 after each guess (advancing the matcher along the guesses, then rolling it back); a
@@ -70,15 +73,18 @@ def json_grammar(schema: dict | None) -> str:
 
 
 def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: bool = True,
-                      dsml_token: int | None = None) -> str:
+                      dsml_token: int | None = None, opened: bool = False) -> str:
     """An answer that is a DSML calls block (:mod:`model.tools`) of one call (or, with
     ``parallel``, one or more) of ``name`` (None: any of ``tools``). Each call's
     parameters are those of its schema, in the schema's order, the required ones
     present; a string parameter is written as it is, any other as JSON of its schema.
-    A tool without a ``properties`` schema takes any parameters."""
+    A tool without a ``properties`` schema takes any parameters. ``opened``: the block
+    after its first ``｜DSML｜`` token (the trigger of a call in ``auto``; needs the token)."""
     chosen = [tool for tool in tools if name is None or tool["name"] == name]
     if not chosen:
         raise GrammarError(f"no tool named {name!r}")
+    if opened and dsml_token is None:
+        raise GrammarError("an opened calls block needs the ｜DSML｜ token")
     def lit(text: str) -> str:
         return _literal(text, dsml_token)
 
@@ -87,7 +93,10 @@ def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: 
     # prefix of another that can come at the same point ("\n" then "</...", never "\n</...").
     newline = lit("\n")
     more = f"({newline} invoke)*" if parallel else ""
-    rules = [f"start: {lit(CALLS_MARKER + chr(10))} invoke {more} {newline} {lit(CALLS_CLOSE)}",
+    marker = CALLS_MARKER + "\n"
+    if opened:
+        marker = marker.partition(DSML)[2]
+    rules = [f"start: {lit(marker)} invoke {more} {newline} {lit(CALLS_CLOSE)}",
              f"invoke: {invoke}"]
     for i, tool in enumerate(chosen):
         parameters = tool.get("parameters") or {}
@@ -153,15 +162,25 @@ def _parameter_rules(rule: str, key: str | None, schema: dict, lit, dsml_token: 
 class Constraint:
     """One request's position in its grammar (see the module docstring)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, grammar_vocab: int, after_token: int | None,
-                 eos_token: int | None = None):
-        """``vocab_size``: the logits' width; ``grammar_vocab``: the tokenizer's."""
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, grammar_vocab: int,
+                 after: Sequence[int] = (), eos_token: int | None = None):
+        """``vocab_size``: the logits' width; ``grammar_vocab``: the tokenizer's;
+        ``after``: the tokens that must come, in order, before the grammar starts."""
         self.matcher, self.vocab_size, self.eos_token = matcher, vocab_size, eos_token
-        self.after_token = after_token
-        self.active = after_token is None
+        self.after = tuple(after)
+        self.seen = 0  # how many of ``after`` have come
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, grammar_vocab)
-        self._saved: bool | None = None  # ``active`` before a look-ahead (None: none running)
+        self._saved: int | None = None  # ``seen`` before a look-ahead (None: none running)
         self._tentative = 0  # tokens a look-ahead consumed
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar governs the next token."""
+        return self.seen == len(self.after)
+
+    def _wait(self, token: int) -> None:
+        if token == self.after[self.seen]:
+            self.seen += 1
 
     def mask(self) -> torch.Tensor | None:
         """bool [vocab]: the tokens allowed next (None: not constrained yet)."""
@@ -178,7 +197,7 @@ class Constraint:
     def advance(self, token: int) -> None:
         """The request took ``token`` (sampled under :meth:`mask`)."""
         if not self.active:
-            self.active = token == self.after_token
+            self._wait(token)
             return
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} is outside the grammar: {self.matcher.get_error()}")
@@ -201,9 +220,9 @@ class Constraint:
         """Advance by ``token`` for a look-ahead (undone by :meth:`rewind`); False, and
         no move, if it is outside the grammar. ``mask``: :meth:`mask` here, if known."""
         if self._saved is None:
-            self._saved, self._tentative = self.active, 0
+            self._saved, self._tentative = self.seen, 0
         if not self.active:
-            self.active = token == self.after_token
+            self._wait(token)
             return True
         if mask is not None and not bool(mask[token]):
             return False
@@ -221,7 +240,7 @@ class Constraint:
         if self._saved is not None:
             if self._tentative:
                 self.matcher.rollback(self._tentative)
-            self.active, self._saved, self._tentative = self._saved, None, 0
+            self.seen, self._saved, self._tentative = self._saved, None, 0
 
 
 def apply_masks(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -251,12 +270,13 @@ class GrammarCompiler:
         if failed:
             raise GrammarError("; ".join(message.strip() for message in messages) or "invalid grammar")
 
-    def constraint(self, grammar: str, vocab_size: int, after_token: int | None = None) -> Constraint:
-        """A fresh position at the start of ``grammar``, for logits ``vocab_size`` wide."""
+    def constraint(self, grammar: str, vocab_size: int, after: Sequence[int] = ()) -> Constraint:
+        """A fresh position at the start of ``grammar``, for logits ``vocab_size`` wide,
+        that starts after the tokens ``after`` (in order)."""
         matcher = llguidance.LLMatcher(self.tokenizer, _compiled(grammar))
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Constraint(matcher, vocab_size, self.tokenizer.vocab_size, after_token, self.eos_token)
+        return Constraint(matcher, vocab_size, self.tokenizer.vocab_size, after, self.eos_token)
 
 
 @lru_cache(maxsize=256)

@@ -47,8 +47,9 @@ class SamplingParams:
         token's log-probability (under the model's own distribution: the logits
         before penalties, bias, temperature and truncation).
     grammar: a Lark grammar (llguidance's dialect) the answer must follow
-        (:mod:`model.runtime.grammar`); ``grammar_after``: the token after which it
-        applies (``</think>`` when the model reasons first), None: from the start.
+        (:mod:`model.runtime.grammar`); ``grammar_after``: the tokens that must come,
+        in order, before it applies (``</think>`` when the model reasons first; the
+        ``｜DSML｜`` that opens a calls block in ``auto``); empty: from the start.
     """
 
     temperature: float = 1.0
@@ -63,11 +64,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     logprobs: int | None = None
     grammar: str | None = None
-    grammar_after: int | None = None
+    grammar_after: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
         # Accept lists from JSON requests but store tuples: the object is frozen and hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "grammar_after", tuple(self.grammar_after))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
