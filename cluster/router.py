@@ -871,7 +871,8 @@ class Router:
         completion = api.CompletionLogprobs(self.tokenizer.token_bytes) \
             if not chat and request.params.logprobs is not None else None
         if chat:
-            yield api.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, index=index)
+            # No content yet: an answer that is only calls keeps content null, as unstreamed.
+            yield api.chat_chunk(rid, model, {"role": "assistant"}, None, index=index)
         async for event in stream:
             if "cached_tokens" in event and index == 0:
                 totals.update(cached=event["cached_tokens"], prompt=event["prompt_tokens"],

@@ -157,7 +157,7 @@ def test_structured_outputs_and_forced_calls_through_the_sdk(client):
     # One call: this untrained model, free to add calls, repeats the same one to the end.
     forced = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=300, temperature=0,
                                             tools=[weather, clock], tool_choice="required", parallel_tool_calls=False)
-    assert forced.choices[0].finish_reason == "tool_calls"
+    assert forced.choices[0].finish_reason == "tool_calls" and forced.choices[0].message.content is None
     assert forced.choices[0].message.tool_calls and all(
         call.function.name in ("get_weather", "clock") for call in forced.choices[0].message.tool_calls)
     with client.chat.completions.stream(model=MODEL, messages=messages, max_tokens=300, temperature=0.9, seed=2,
@@ -166,6 +166,7 @@ def test_structured_outputs_and_forced_calls_through_the_sdk(client):
         final = s.get_final_completion()
     calls = final.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert final.choices[0].message.content is None  # the stream sent no content, as unstreamed
     arguments = json.loads(calls[0].function.arguments)
     assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}

@@ -121,9 +121,9 @@ async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | No
         async for chunk in sse_chunks(response):
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
+            if chunk.get("choices"):  # the first chunk (the role) comes with the first token
                 first = first or time.perf_counter()
-                answer.append(chunk["choices"][0]["delta"]["content"])
+                answer.append(chunk["choices"][0]["delta"].get("content") or "")
     turn = Turn(usage["prompt_tokens"], 1e3 * ((first or time.perf_counter()) - sent),
                 usage["prompt_tokens_details"]["cached_tokens"], agent.reusable, agent.immediate, moved,
                 usage["completion_tokens"], source, queued, 1e3 * (time.perf_counter() - sent), stages)
