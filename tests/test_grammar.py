@@ -248,8 +248,8 @@ def test_an_auto_answer_is_free_until_the_model_opens_a_call(thinking):
     fresh = compiler.constraint(tool_call_grammar([WEATHER, MEMO], None, False, dsml, opened=True),
                                 tokenizer.vocab_size, (dsml,))
     head = _markup_ids(tokenizer, calls_text([ToolCall("clock", "{}", "x")]))
-    refused = next(k for k, token in enumerate(head[1:], 1) if not fresh.try_advance(token))
-    assert tokenizer.decode(head[: refused + 1]).endswith("c")  # invoke name="c...: no tool starts so
+    refused = next(k for k, token in enumerate(head) if not fresh.try_advance(token))
+    assert tokenizer.decode(head[: refused + 1]).endswith("c")  # name="c...: no offered tool's name starts so
     two = _markup_ids(tokenizer, calls_text([call, call]))
     single = compiler.constraint(tool_call_grammar([WEATHER, MEMO], None, False, dsml, opened=True),
                                  tokenizer.vocab_size, (dsml,))
