@@ -124,29 +124,29 @@ def evaluate_tools(checkpoint_dir: Path, n: int = 100, seed: int = 1,
             grammars = [tool_call_grammar(conv.tools, None, True, tokenizer.special.dsml) if c else None
                         for (conv, _), c in zip(turns, calling)]
             call_idx = [k for k, c in enumerate(calling) if c]
-            forced = dict(zip(call_idx, _generate(engine, tokenizer, [prompts[k] for k in call_idx],
-                                                  [grammars[k] for k in call_idx])))
+            call_prompts = [prompts[k] for k in call_idx]
+            constrained = {"call_constrained": dict(zip(call_idx, _generate(
+                engine, tokenizer, call_prompts, [grammars[k] for k in call_idx])))}
             dsml = tokenizer.special.dsml
-            auto = {} if dsml is None else dict(zip(call_idx, _generate(
-                engine, tokenizer, [prompts[k] for k in call_idx],
-                [tool_call_grammar(turns[k][0].tools, None, True, dsml, opened=True) for k in call_idx],
-                after=(dsml,))))
-            rows: dict[str, list[dict[str, bool]]] = {"call": [], "call_constrained": [], "call_auto": [],
-                                                      "answer": []}
+            if dsml is not None:
+                constrained["call_auto"] = dict(zip(call_idx, _generate(
+                    engine, tokenizer, call_prompts,
+                    [tool_call_grammar(turns[k][0].tools, None, True, dsml, opened=True) for k in call_idx],
+                    after=(dsml,))))
+            rows: dict[str, list[dict[str, bool]]] = {"call": [], **{kind: [] for kind in constrained}, "answer": []}
             for k, (conv, i) in enumerate(turns):
                 functions = {f["name"]: f for f in conv.tools}
                 if calling[k]:
                     expected = conv.messages[i].tool_calls
                     rows["call"].append(_score_call(free[k], expected, functions))
-                    rows["call_constrained"].append(_score_call(forced[k], expected, functions))
-                    if auto:
-                        rows["call_auto"].append(_score_call(auto[k], expected, functions))
+                    for kind, answers in constrained.items():
+                        rows[kind].append(_score_call(answers[k], expected, functions))
                 else:
                     rows["answer"].append(_score_answer(free[k], conv, i))
             report[split] = {kind: {"turns": len(scores),
                                     **{key: round(sum(s[key] for s in scores) / max(1, len(scores)), 3)
                                        for key in (scores[0] if scores else {})}}
-                             for kind, scores in rows.items() if scores or kind != "call_auto"}
+                             for kind, scores in rows.items()}
             report[split]["examples"] = [{"prompt_tail": template.render_text(turns[k][0].messages[:turns[k][1]],
                                                                               tools=turns[k][0].tools)[-160:],
                                           "generated": free[k][0]} for k in range(min(4, len(turns)))]

@@ -353,7 +353,6 @@ def backbone_step(model: Transformer, optimizers: list[torch.optim.Optimizer], l
     balance_routers(model, loads, gamma=gamma)
 
 
-
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Approximate orthogonalisation ``U V^T`` of ``g`` [..., m, n] (Muon's quintic iteration)."""
     a, b, c = 3.4445, -4.7750, 2.0315
