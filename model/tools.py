@@ -280,13 +280,18 @@ class ToolCallStream:
         return [Content(rest)] if rest else []
 
     def finish(self) -> list[Content | Called]:
-        """The end of the answer: whatever is still held back, as answer text."""
+        """The end of the answer: whatever is still held back, as answer text; except a
+        block cut off after a whole call, in its close (max tokens ran out there): its
+        calls stand, and the start of the close is markup, not answer text."""
         events: list[Content | Called] = []
         if self._pending:
             events.append(Content(self._pending))
             self._pending = ""
         if self._block is not None:
-            events += self._fail()
+            if self._calls and CALLS_CLOSE.startswith(self._block.strip()):
+                self._block = None
+            else:
+                events += self._fail()
         return events
 
 

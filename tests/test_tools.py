@@ -145,6 +145,18 @@ def test_a_call_that_does_not_parse_comes_back_as_text(bad: str) -> None:
     assert calls == [] and content == "Sure." + bad
 
 
+@pytest.mark.parametrize("cut", ["", "\n", "\n</", "\n</｜DSML｜ cal"])
+def test_a_block_cut_off_in_its_close_keeps_its_calls_and_shows_no_markup(cut: str) -> None:
+    """max_tokens can run out after the last </｜DSML｜ invoke>: the calls are whole, and
+    a start of the block's close is neither a call nor answer text."""
+    whole = calls_text([ToolCall("f", '{"x": 1}')])
+    block = whole[: whole.index("</｜DSML｜ invoke>") + len("</｜DSML｜ invoke>")] + cut
+    content, calls = split_answer(["Sure.", block[:20], block[20:]])
+    assert content == "Sure." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
+    content, calls = split_answer(["Sure.", block + "\nand then text"])  # not a close: text again
+    assert content == "Sure." + cut + "\nand then text" and len(calls) == 1
+
+
 def test_a_history_call_given_as_json_text_renders_like_the_generated_one(released: Tokenizer) -> None:
     """Clients send arguments back as the JSON text they got; a double-encoded string or
     a non-object becomes what the released encoder makes of it."""
