@@ -293,8 +293,9 @@ class CompletionRequest(_Request):
     logprobs: Integer | None = None
 
 
-def _validated(schema: type[_Request], data: dict) -> _Request:
-    """``data`` as ``schema``, or the first mistake as a 400 naming its parameter."""
+def _validated(schema: type[_Schema], data: dict, tags: tuple[str, ...] = ("text", "image_url")) -> _Schema:
+    """``data`` as ``schema``, or the first mistake as a 400 naming its parameter.
+    ``tags``: the type tags of a list's items (a location names them after the index)."""
     try:
         return schema.model_validate(data)
     except ValidationError as error:
@@ -304,7 +305,7 @@ def _validated(schema: type[_Request], data: dict) -> _Request:
         # Drop the union members pydantic names in a location ("str", "list[...]", ...).
         loc = [str(part) for part in first["loc"] if not _union_member(str(part))]
         # A content part's type tag follows its index: messages[0].content[1].image_url.url
-        loc = [part for i, part in enumerate(loc) if not (i and loc[i - 1].isdigit() and part in _PART_TAGS
+        loc = [part for i, part in enumerate(loc) if not (i and loc[i - 1].isdigit() and part in tags
                                                             and i + 1 < len(loc))]
         param = loc[0] if loc else None
         where = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in loc).lstrip(".")
@@ -314,9 +315,6 @@ def _validated(schema: type[_Request], data: dict) -> _Request:
             raise ApiError(400, f"{param} is not supported by this server (only its default)", param) from None
         message = first["msg"].removeprefix("Value error, ")
         raise ApiError(400, f"{where or 'request'}: {message}", param) from None
-
-
-_PART_TAGS = ("text", "image_url")
 
 
 def _union_member(part: str) -> bool:
@@ -565,6 +563,7 @@ class ChatAnswer:
         """``token_bytes(id)``: a token's bytes, for logprobs."""
         self.think_end, self.dsml, self.token_bytes = think_end, dsml, token_bytes
         self.in_thinking = request.thinking
+        self.reasoning_tokens = 0  # the reasoning's tokens, </think> included
         self._reasoning: list[str] | None = [] if request.thinking else None
         self._content: list[str] = []
         self._calls = ToolCallStream(strict_calls(request.tools, request.strict_tools)) \
@@ -577,6 +576,7 @@ class ChatAnswer:
         """One generated token (its text from the detokenizer; its logprobs if asked
         for: the answer's tokens carry them, the reasoning's do not)."""
         if self.in_thinking:
+            self.reasoning_tokens += 1
             if token_id == self.think_end:
                 self.in_thinking = False
                 return []

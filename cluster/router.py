@@ -13,7 +13,6 @@ request ends.
 
 import asyncio
 import dataclasses
-import functools
 import hmac
 import logging
 import math
@@ -33,6 +32,7 @@ from actors.replica import ModelIdentity, prompt_gil_handoff
 from actors.state import StoringConversation
 from actors.store import STORE_TIMEOUT_S
 from cluster import openai_api as api
+from cluster import responses_api
 from cluster.config import AppConfig
 from cluster.images import ImageLimits, read_image
 from cluster.routing import DecoderLoad, known_replicas
@@ -602,11 +602,15 @@ class Router:
 
     @fastapi_app.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        return await self._serve(request, chat=True)
+        return await self._serve(request, "chat")
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._serve(request, chat=False)
+        return await self._serve(request, "completions")
+
+    @fastapi_app.post("/v1/responses")
+    async def responses(self, request: Request):
+        return await self._serve(request, "responses")
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 as soon as it is known to be over the
@@ -627,31 +631,38 @@ class Router:
             parts.append(part)
         return b"".join(parts)
 
-    async def _serve(self, request: Request, chat: bool):
-        endpoint, start, arrived = ("chat" if chat else "completions"), time.perf_counter(), time.time()
+    def _parse(self, endpoint: str, data: dict):
+        """(the generation request, the Responses request it came from or None)."""
+        if endpoint == "completions":
+            return api.parse_completion(data, self.config.model_name, self.config.max_tokens_default,
+                                        self.model_config.text.vocab_size), None
+        parse = api.parse_chat if endpoint == "chat" else responses_api.parse_responses
+        parsed = parse(data, self.config.model_name, self.config.max_tokens_default, self.model_config.text.vocab_size,
+                       self._read_image if self.vision is not None else None, self.config.max_images_per_request)
+        return (parsed, None) if endpoint == "chat" else (parsed.generation, parsed)
+
+    async def _serve(self, request: Request, endpoint: str):
+        """One request of ``endpoint`` (chat, completions or responses)."""
+        chat, start, arrived = endpoint != "completions", time.perf_counter(), time.time()
         marks = {"router_in": arrived, "replica": None}  # the trip's marks; "replica": where it was sent
+        responses = None
         try:
             self._authorize(request)
             body = await self._body(request)
-            # A big body is parsed off the event loop, so other clients' tokens keep flowing.
+            # A big body is parsed off the event loop, so other clients' tokens keep flowing
+            # (images are decoded while parsing).
             data = api.parse_json(body) if len(body) < 65536 else await asyncio.to_thread(api.parse_json, body)
-            if chat:
-                parse = functools.partial(api.parse_chat, data, self.config.model_name, self.config.max_tokens_default,
-                                          self.model_config.text.vocab_size,
-                                          self._read_image if self.vision is not None else None,
-                                          self.config.max_images_per_request)
-                # Images are decoded while parsing: a big body is parsed off the event loop.
-                parsed = parse() if len(body) < 65536 else await asyncio.to_thread(parse)
-            else:
-                parsed = api.parse_completion(data, self.config.model_name, self.config.max_tokens_default,
-                                              self.model_config.text.vocab_size)
+            parsed, responses = self._parse(endpoint, data) if len(body) < 65536 else \
+                await asyncio.to_thread(self._parse, endpoint, data)
             parsed = self._constrained(parsed)
             tokens = self._render(parsed)
-            rid = api.new_id("chatcmpl" if chat else "cmpl")
+            rid = responses_api.response_id() if responses is not None else api.new_id("chatcmpl" if chat else "cmpl")
             dispatched = await self._events(parsed, tokens, rid, marks)
             marks["router_sent"] = time.time()
             started = await self._started(dispatched, request)
         except api.ApiError as error:
+            if responses is not None:
+                error = responses.renamed(error)
             self._answered(marks)
             self.metrics.record(endpoint, str(error.status))
             return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
@@ -671,7 +682,9 @@ class Router:
         if parsed.stream:
             # Its Server-Timing covers the trip to the first token (the headers go out with it).
             to_first = {**marks, **first.get("timeline", {}), "first_token": time.time()}
-            return StreamingResponse(self._sse(streams, parsed, rid, chat, start), media_type="text/event-stream",
+            events = self._response_events(streams[0], parsed, responses, rid, start) if responses is not None else \
+                self._sse(streams, parsed, rid, chat, start)
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"x-v41-queue-ms": f"{queued_ms:.3f}",
                                               "x-v41-moved-bytes": str(first.get("moved_bytes", 0)),
                                               "x-v41-prefilled-by": first.get("prefilled_by", ""),
@@ -688,7 +701,12 @@ class Router:
         counted = BackgroundTask(self._count, endpoint, "200", len(tokens), result["cached"],
                                  generated, result["ttft"], time.perf_counter() - start)
         usage = api.usage(len(tokens), generated, result["cached"])
-        if chat:
+        if responses is not None:
+            builder = responses.builder(rid, self.config.model_name)
+            builder.push(result["deltas"])
+            body = builder.finish(result["finish"], responses_api.usage(
+                len(tokens), generated, result["cached"], result["reasoning_tokens"]))[-1]["response"]
+        elif chat:
             body = api.chat_response(rid, self.config.model_name, [
                 api.chat_choice(i, r["content"], r["reasoning"], r["finish"], r["calls"], r["logprobs"])
                 for i, r in enumerate(results)], usage)
@@ -797,7 +815,7 @@ class Router:
         answer = api.ChatAnswer(request, self.think_end, self.dsml, self.tokenizer.token_bytes)
         completion = api.CompletionLogprobs(self.tokenizer.token_bytes) \
             if request.prompt is not None and request.params.logprobs is not None else None
-        entries = []
+        entries, deltas = [], []
         async for event in stream:
             if "cached_tokens" in event:
                 cached, replica_s, prefilled_by = event["cached_tokens"], event["replica_s"], event["prefilled_by"]
@@ -806,18 +824,20 @@ class Router:
             if "storing" in event:  # the last token: a turn that continues it waits for its store
                 timeline["stored"] = time.time()
             tokens.append(event["token_id"])
-            answer.push(event["token_id"], event["text"], event.get("logprob"), event.get("top_logprobs", ()))
+            deltas += answer.push(event["token_id"], event["text"], event.get("logprob"),
+                                  event.get("top_logprobs", ()))
             if completion is not None and event.get("logprob") is not None:
                 entries.append(completion.entry(event["token_id"], event["text"], event["logprob"],
                                                 event["top_logprobs"]))
             if event["finish_reason"]:
                 finish = event["finish_reason"]
                 break  # the request's last token: do not wait for the stream to close
-        answer.finish()
+        deltas += answer.finish()
         if request.messages:
             self._remember(answer, tokens)
         logprobs = completion.merge(entries) if completion is not None else answer.logprobs
         return {"tokens": tokens, "content": answer.content, "reasoning": answer.reasoning, "calls": answer.calls,
+                "deltas": deltas, "reasoning_tokens": answer.reasoning_tokens,
                 "logprobs": logprobs, "cached": cached, "finish": answer.finish_reason(finish),
                 "replica_s": replica_s, "ttft": ttft, "timeline": timeline, "prefilled_by": prefilled_by}
 
@@ -895,3 +915,35 @@ class Router:
                 break  # the request's last token: do not wait for the stream to close
         if request.messages:
             self._remember(answer, tokens)
+
+    async def _response_events(self, stream, request: api.GenerationRequest,
+                               responses: responses_api.ParsedResponses, rid: str, start: float):
+        """A Responses stream: the response's events as the answer's tokens come
+        (``response.failed`` if the decoder fails under it)."""
+        builder = responses.builder(rid, self.config.model_name)
+        answer = api.ChatAnswer(request, self.think_end, self.dsml, self.tokenizer.token_bytes)
+        tokens, cached, prompt, ttft, finish = [], 0, 0, None, "stop"
+        for item in builder.start():
+            yield responses_api.sse(item)
+        try:
+            async for event in stream:
+                if "cached_tokens" in event:
+                    cached, prompt, ttft = event["cached_tokens"], event["prompt_tokens"], time.perf_counter() - start
+                tokens.append(event["token_id"])
+                deltas = answer.push(event["token_id"], event["text"], event.get("logprob"),
+                                     event.get("top_logprobs", ()))
+                if event["finish_reason"]:
+                    deltas += answer.finish()
+                for item in builder.push(deltas):
+                    yield responses_api.sse(item)
+                if event["finish_reason"]:
+                    finish = answer.finish_reason(event["finish_reason"])
+                    break  # the request's last token: do not wait for the stream to close
+        except Exception as error:  # noqa: BLE001 (passed on to the client)
+            self.metrics.record("responses", "503")
+            yield responses_api.sse(builder.failed(_generation_failed(error)))
+            return
+        self._remember(answer, tokens)
+        for item in builder.finish(finish, responses_api.usage(prompt, len(tokens), cached, answer.reasoning_tokens)):
+            yield responses_api.sse(item)
+        await self._count("responses", "200", prompt, cached, len(tokens), ttft, time.perf_counter() - start)

@@ -174,6 +174,57 @@ def test_structured_outputs_and_forced_calls_through_the_sdk(client):
         client.chat.completions.create(model=MODEL, messages=messages, response_format=bad)
 
 
+def test_the_responses_api_runs_a_cached_tool_loop_through_the_sdk(client):
+    """The Responses API (the OpenAI Agents SDK's default): a forced call, its output
+    items and result sent back as input (the next turn reads the first from the cache),
+    a stream the SDK reassembles into the unstreamed response, logprobs, and
+    ``responses.parse`` with a pydantic model."""
+    import pydantic
+
+    class Point(pydantic.BaseModel):
+        x: int = pydantic.Field(ge=0, le=99)
+        label: Literal["a", "b"]
+
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}
+    common = {"model": MODEL, "tools": [tool], "instructions": "Answer briefly.", "temperature": 0}
+    question = [{"role": "user", "content": "What is the weather in Paris?\n" * 4}]
+    first = client.responses.create(input=question, tool_choice="required", parallel_tool_calls=False,
+                                    max_output_tokens=300, **common)
+    assert first.status == "completed" and [item.type for item in first.output] == ["function_call"]
+    call = first.output[0]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    turn = question + [item.model_dump(exclude_none=True) for item in first.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}]
+    asked = {"input": turn, "max_output_tokens": 8, "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+             **common}
+    second = client.responses.create(**asked)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
+    with client.responses.stream(**asked) as stream:  # (get_final_response wants a completed one)
+        streamed = [event for event in stream if event.type in ("response.completed", "response.incomplete")][-1]
+    streamed = streamed.response
+    assert [item.type for item in streamed.output] == [item.type for item in second.output]
+    assert streamed.output_text == second.output_text and streamed.status == second.status
+    for message in (item for item in second.output if item.type == "message"):
+        assert message.content[0].logprobs and all(len(entry.top_logprobs) == 2
+                                                   for entry in message.content[0].logprobs)
+    parsed = client.responses.parse(model=MODEL, input="def distance(p, q):\n", text_format=Point,
+                                    max_output_tokens=300, temperature=0)
+    assert isinstance(parsed.output_parsed, Point), parsed.output_text
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "gpt-9", "input": "x"}, 404, "model"),
+    ({"model": MODEL, "input": "x", "store": True}, 400, "store"),
+    ({"model": MODEL, "input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"model": MODEL, "input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input"),
+])
+def test_bad_responses_requests_are_4xx_naming_the_parameter(app, body, status, param):
+    got, payload = _post(f"{app}/v1/responses", json.dumps(body).encode())
+    assert got == status and payload["error"]["param"] == param and payload["error"]["message"]
+
+
 def test_n_answers_share_one_prefill(client):
     """n seeded samples: n choices, streamed interleaved or not; the prompt is encoded
     once (the answers' timelines name one prefill) and counted once in the usage."""

@@ -1,0 +1,157 @@
+"""The Responses API's request mapping and stream events, without a server: input items
+become the chat turns they mean, errors name the Responses parameter, and the events a
+response streams rebuild (through the OpenAI SDK's own accumulator) the response the
+server returns unstreamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import omit
+from openai._models import construct_type
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import ResponseStreamEvent
+
+from cluster.openai_api import OPENAI_EFFORT, ApiError
+from cluster.responses_api import ResponseBuilder, parse_responses, usage
+from model.chat import Message
+from model.tools import ToolCall
+
+MODEL = "m"
+TOOL = {"type": "function", "name": "count_lines", "description": "Lines of a module.",
+        "parameters": {"type": "object", "properties": {"module": {"type": "string"}}, "required": ["module"]}}
+
+
+def _parse(**body):
+    return parse_responses({"model": MODEL, **body}, MODEL, default_max=64, vocab_size=4096)
+
+
+def test_input_items_become_the_chat_turns_they_mean() -> None:
+    """An assistant turn is the reasoning, text and calls of its consecutive items;
+    results and user turns stay apart; instructions are the system turn."""
+    parsed = _parse(instructions="Be brief.", tools=[TOOL], tool_choice={"type": "function", "name": "count_lines"},
+                    reasoning={"effort": "medium"}, max_output_tokens=9, input=[
+                        {"role": "user", "content": [{"type": "input_text", "text": "Lines of "},
+                                                     {"type": "input_text", "text": "glob?"}]},
+                        {"type": "reasoning", "id": "rs_1", "summary": [],
+                         "content": [{"type": "reasoning_text", "text": "Count them."}]},
+                        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+                         "content": [{"type": "output_text", "text": "Calling.", "annotations": [], "logprobs": []}]},
+                        {"type": "function_call", "call_id": "c1", "name": "count_lines",
+                         "arguments": '{"module": "glob"}', "id": "fc_1", "status": "completed"},
+                        {"type": "function_call", "call_id": "c2", "name": "count_lines",
+                         "arguments": '{"module": "re"}'},
+                        {"type": "function_call_output", "call_id": "c2", "output": "400"},
+                        {"type": "function_call_output", "call_id": "c1",
+                         "output": [{"type": "input_text", "text": "12"}, {"type": "input_text", "text": "0"}]},
+                        {"role": "developer", "content": "Now sum."}])
+    request = parsed.generation
+    assert request.messages == (
+        Message("system", "Be brief."), Message("user", "Lines of glob?"),
+        Message("assistant", "Calling.", reasoning="Count them.", tool_calls=(
+            ToolCall("count_lines", '{"module": "glob"}', "c1"), ToolCall("count_lines", '{"module": "re"}', "c2"))),
+        Message("tool", "400", tool_call_id="c2"), Message("tool", "120", tool_call_id="c1"),
+        Message("developer", "Now sum."))
+    assert request.tool_choice == "function" and request.tool_name == "count_lines"
+    assert request.strict_tools == {"count_lines"}  # the Responses API's default
+    assert request.thinking and request.effort == OPENAI_EFFORT["medium"] and request.params.max_tokens == 9
+    assert parsed.echo["tools"] == [TOOL] and parsed.echo["reasoning"] == {"effort": "medium", "summary": None}
+
+
+def test_text_format_logprobs_and_plain_input() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    parsed = _parse(input="hi", text={"format": {"type": "json_schema", "name": "p", "schema": schema}},
+                    include=["message.output_text.logprobs"], top_logprobs=3, temperature=0)
+    request = parsed.generation
+    assert request.messages == (Message("user", "hi"),)
+    assert request.response_format == {"schema": schema} and request.params.logprobs == 3 and parsed.logprobs
+    assert not request.thinking and request.params.temperature == 0
+    assert _parse(input="hi", text={"format": {"type": "json_object"}}).generation.response_format == {"schema": None}
+    assert _parse(input="hi", tools=[{**TOOL, "strict": False}]).generation.strict_tools == frozenset()
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"store": True}, "store", "keeps no responses"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+    ({"conversation": "conv_1"}, "conversation", "not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "tools[0].type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0]"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": [
+        {"type": "output_text", "text": "b"}]}]}, "input", "input[1].content[0]"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input", "input[0].arguments"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "positive"),
+    ({"top_logprobs": 2}, "top_logprobs", "include"),
+    ({"reasoning": {"effort": "huge"}}, "reasoning.effort", "huge"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning", "reasoning.summary"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format", "name"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "nope"),
+    ({"instructions": "x", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+     "input[1].content[0].image_url", "input[1].content[0].image_url: this model reads no images"),
+])
+def test_errors_name_the_responses_parameter(body, param, says) -> None:
+    with pytest.raises(ApiError) as caught:
+        _parse(**{"input": "hi", **body})
+    assert caught.value.status == 400 and caught.value.param == param and says in caught.value.message
+
+
+def _events(builder: ResponseBuilder, deltas: list[dict], finish: str) -> list[dict]:
+    return builder.start() + builder.push(deltas) + builder.finish(finish, usage(5, len(deltas), 2, 3))
+
+
+def _reassembled(events: list[dict]):
+    """The final response as the OpenAI SDK's stream helper builds it from the events."""
+    state = ResponseStreamState(input_tools=[TOOL], text_format=omit)
+    for event in events:
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=json.loads(json.dumps(event))))
+    return state._completed_response
+
+
+def test_the_stream_events_rebuild_the_response_in_the_sdk() -> None:
+    """Reasoning, text, a call and text after it: four items, each added then done, in
+    sequence; the SDK's accumulator rebuilds the response the builder ends with."""
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "count_lines", "arguments": '{"module": "glob"}'}}
+    lp = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
+    deltas = [{"reasoning_content": "Let me "}, {"reasoning_content": "count."},
+              {"content": "Hi", "logprobs": {"content": [lp]}}, {"content": " there."}, {"tool_calls": [call]},
+              {"content": "Done."}]
+    builder = ResponseBuilder("resp_1", MODEL, {"tools": [TOOL], "parallel_tool_calls": True, "tool_choice": "auto"},
+                              logprobs=True, thinking=True)
+    events = _events(builder, deltas, "tool_calls")
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 4
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call", "message"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me count."}]
+    assert final["output"][1]["content"][0]["text"] == "Hi there." and final["output"][1]["content"][0]["logprobs"] \
+        == [lp]
+    assert final["output"][2]["call_id"] == "call_1" and final["output"][2]["arguments"] == '{"module": "glob"}'
+    assert final["status"] == "completed" and final["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+    rebuilt = _reassembled(events)
+    assert rebuilt.output_text == "Hi there.Done."
+    assert [item.type for item in rebuilt.output] == ["reasoning", "message", "function_call", "message"]
+    assert rebuilt.output[2].arguments == '{"module": "glob"}' and rebuilt.output[1].content[0].logprobs[0].logprob \
+        == -0.5
+
+
+def test_a_turn_that_thought_nothing_still_says_it_thought() -> None:
+    """Thinking on and an empty reasoning: an empty reasoning item comes first, so the
+    turn sent back renders as it was generated; out of tokens, the response is incomplete."""
+    builder = ResponseBuilder("resp_2", MODEL, {"tools": [], "parallel_tool_calls": True, "tool_choice": "auto"},
+                              thinking=True)
+    events = _events(builder, [{"content": "Four."}], "length")
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete" and final["status"] == "incomplete"
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": ""}]
+    assert final["output"][1]["status"] == "incomplete"
+    again = _parse(input=[{"role": "user", "content": "2+2?"}, *final["output"]]).generation.messages[-1]
+    assert again == Message("assistant", "Four.", reasoning="")
+    plain = ResponseBuilder("resp_3", MODEL, {}, thinking=False)
+    assert [e["item"]["type"] for e in _events(plain, [{"content": "x"}], "stop")
+            if e["type"] == "response.output_item.added"] == ["message"]
