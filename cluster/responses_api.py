@@ -18,6 +18,7 @@ OpenAI Agents SDK does by default. No I/O here.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -62,6 +63,7 @@ class _OutputText(_Schema):
     logprobs: list[Any] | None = None
 
 
+_Status = Literal["in_progress", "completed", "incomplete"]
 _Part = Annotated[_InputText | _InputImage | _OutputText, Field(discriminator="type")]
 
 
@@ -70,7 +72,7 @@ class _MessageItem(_Schema):
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[_Part]
     id: str | None = None
-    status: str | None = None
+    status: _Status | None = None
 
 
 class _FunctionCallItem(_Schema):
@@ -79,7 +81,7 @@ class _FunctionCallItem(_Schema):
     name: str = Field(min_length=1)
     arguments: str
     id: str | None = None
-    status: str | None = None
+    status: _Status | None = None
 
 
 class _FunctionCallOutputItem(_Schema):
@@ -87,7 +89,7 @@ class _FunctionCallOutputItem(_Schema):
     call_id: str = Field(min_length=1)
     output: str | list[_InputText]
     id: str | None = None
-    status: str | None = None
+    status: _Status | None = None
 
 
 class _ReasoningText(_Schema):
@@ -109,7 +111,7 @@ class _ReasoningItem(_Schema):
     summary: list[_SummaryText] = Field(default_factory=list)
     content: list[_ReasoningText] | None = None
     encrypted_content: None = None
-    status: str | None = None
+    status: _Status | None = None
 
 
 def _item_type(value: Any) -> str:
@@ -129,7 +131,7 @@ _Item = Annotated[
 
 class _FunctionTool(_Schema):
     type: Literal["function"]
-    name: str
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None  # the Responses API's default is true
@@ -142,7 +144,7 @@ class _NamedTool(_Schema):
 
 class _Format(_Schema):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: str | None = Field(default=None, min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
@@ -208,6 +210,9 @@ class ParsedResponses:
 _PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text.format", "reasoning_effort": "reasoning.effort", "logprobs": "include",
            "messages": "input"}
+# Chat parameters named in a chat error's message ("messages" only where a message
+# begins with it: elsewhere it may be a client's string).
+_CHAT_NAMES = re.compile(r"\b(?:max_completion_tokens|max_tokens|response_format|reasoning_effort)\b|^messages\b(?!\[)")
 
 
 def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: int | None = None,
@@ -244,7 +249,7 @@ def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: i
     echo = {"instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "metadata": request.metadata or {}, "parallel_tool_calls": generation.parallel_tool_calls,
             "temperature": request.temperature, "top_p": request.top_p, "top_logprobs": request.top_logprobs,
-            "tool_choice": data.get("tool_choice", "auto"), "tools": data.get("tools") or [],
+            "tool_choice": data.get("tool_choice") or "auto", "tools": data.get("tools") or [],
             "text": {"format": (data.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": effort, "summary": None},
             "store": False, "background": False, "truncation": "disabled", "previous_response_id": None}
@@ -258,19 +263,20 @@ def renamed(error: ApiError, origins: Sequence[str]) -> ApiError:
         index = int(match.group(1))
         return origins[index] if index < len(origins) else "input"
 
-    message = re.sub(r"messages\[(\d+)\]", place, error.message)
+    message = _CHAT_NAMES.sub(lambda match: _PARAMS[match.group(0)], re.sub(r"messages\[(\d+)\]", place,
+                                                                            error.message))
     param = error.param
     if param is not None:
         param = re.sub(r"messages\[(\d+)\]", place, param)
         param = _PARAMS.get(param, param)
-        if param == "input" and origins and "instructions" in message and "input" not in message:
-            param = "instructions"
     return ApiError(error.status, message, param, error.kind, error.code, error.headers)
 
 
 def _messages(request: ResponsesRequest) -> tuple[list[dict], list[str]]:
     """The chat messages the input means, and where each came from. An assistant turn
-    is one message: the reasoning, text and calls of consecutive assistant items."""
+    is one message: the reasoning, text and calls of consecutive assistant items (a
+    reasoning item after text or calls begins the next turn). A call's output must
+    follow the call."""
     messages: list[dict] = []
     origins: list[str] = []
     if request.instructions is not None:
@@ -281,6 +287,7 @@ def _messages(request: ResponsesRequest) -> tuple[list[dict], list[str]]:
         origins.append("input")
         return messages, origins
     turn: dict | None = None  # the assistant turn being gathered
+    called: set[str] = set()
     for index, item in enumerate(request.input):
         where = f"input[{index}]"
         assistant = isinstance(item, _FunctionCallItem | _ReasoningItem) or (
@@ -288,6 +295,9 @@ def _messages(request: ResponsesRequest) -> tuple[list[dict], list[str]]:
         if not assistant:
             turn = None
         elif turn is None or (isinstance(item, _ReasoningItem) and (turn.get("content") or turn.get("tool_calls"))):
+            if turn is not None:
+                raise ApiError(400, f"{where}: a reasoning item begins an assistant turn, and the turn before it has "
+                                    "had no user message or function_call_output since", "input")
             turn = {"role": "assistant", "content": ""}
             messages.append(turn)
             origins.append(where)
@@ -295,9 +305,12 @@ def _messages(request: ResponsesRequest) -> tuple[list[dict], list[str]]:
             turn["reasoning_content"] = (turn.get("reasoning_content") or "") + "".join(
                 part.text for part in item.content or ())
         elif isinstance(item, _FunctionCallItem):
+            called.add(item.call_id)
             turn.setdefault("tool_calls", []).append(
                 {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
         elif isinstance(item, _FunctionCallOutputItem):
+            if item.call_id not in called:
+                raise ApiError(400, f"{where}: no function_call before it has call_id {item.call_id!r}", "input")
             output = item.output if isinstance(item.output, str) else "".join(part.text for part in item.output)
             messages.append({"role": "tool", "content": output, "tool_call_id": item.call_id})
             origins.append(where)
@@ -348,7 +361,12 @@ def _tool_choice(request: ResponsesRequest) -> str | dict | None:
 
 def _response_format(request: ResponsesRequest) -> dict | None:
     form = request.text.format if request.text is not None else None
-    if form is None or form.type == "text":
+    if form is None:
+        return None
+    extra = sorted(form.model_dump(exclude_unset=True, by_alias=True).keys() - {"type"})
+    if form.type != "json_schema" and extra:
+        raise ApiError(400, f"text.format: only type json_schema takes {', '.join(extra)}", "text.format")
+    if form.type == "text":
         return None
     if form.type == "json_object":
         return {"type": "json_object"}
@@ -363,7 +381,10 @@ def _response_format(request: ResponsesRequest) -> dict | None:
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    """OpenAI's usage object. Every conversation is stored, so the prompt's tokens not
+    read from the cache are the ones written to it (``cache_write_tokens``)."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": prompt_tokens - cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 
@@ -404,7 +425,9 @@ class ResponseBuilder:
                 events += self._text("reasoning", "", [])
             if delta.get("reasoning_content"):
                 events += self._text("reasoning", delta["reasoning_content"], [])
-            if delta.get("content") or (delta.get("logprobs") and self._open and self._open["type"] == "message"):
+            # A token's logprobs belong to the text it wrote (held-back text releases them
+            # late, alone); those of a calls block's markup have no place in the output.
+            if delta.get("content") or (set(delta) == {"logprobs"} and self._open and self._open["type"] == "message"):
                 entries = (delta.get("logprobs") or {}).get("content") or [] if self.logprobs else []
                 events += self._text("message", delta.get("content") or "", entries)
             for call in delta.get("tool_calls", ()):
@@ -476,7 +499,7 @@ class ResponseBuilder:
         item, self._open = self._open, None
         if item is None:
             return []
-        index, part = self.output.index(item), item["content"][0]
+        index, part = len(self.output) - 1, item["content"][0]  # the open item is the last
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         item["status"] = status
         if item["type"] == "reasoning":
@@ -498,8 +521,6 @@ def _copy(item: dict) -> dict:
 
 def sse(event: dict) -> bytes:
     """A Responses stream event: its type on the ``event:`` line, the event as data."""
-    import json
-
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
 
 

@@ -700,7 +700,6 @@ class Router:
         # Counted once the response is out (Ray metrics cost ~0.1 ms a request).
         counted = BackgroundTask(self._count, endpoint, "200", len(tokens), result["cached"],
                                  generated, result["ttft"], time.perf_counter() - start)
-        usage = api.usage(len(tokens), generated, result["cached"])
         if responses is not None:
             builder = responses.builder(rid, self.config.model_name)
             builder.push(result["deltas"])
@@ -709,11 +708,11 @@ class Router:
         elif chat:
             body = api.chat_response(rid, self.config.model_name, [
                 api.chat_choice(i, r["content"], r["reasoning"], r["finish"], r["calls"], r["logprobs"])
-                for i, r in enumerate(results)], usage)
+                for i, r in enumerate(results)], api.usage(len(tokens), generated, result["cached"]))
         else:
             body = api.completion_response(rid, self.config.model_name, [
                 api.completion_choice(i, r["content"], r["finish"], r["logprobs"]) for i, r in enumerate(results)],
-                usage)
+                api.usage(len(tokens), generated, result["cached"]))
         # Time the replicas spent computing the first token (prefill, replay, sample), and
         # where the rest of the request's time went (Server-Timing, milliseconds).
         marks.update(result["timeline"], router_out=time.time())
@@ -944,6 +943,7 @@ class Router:
             yield responses_api.sse(builder.failed(_generation_failed(error)))
             return
         self._remember(answer, tokens)
+        # Counted before the last event: a client may close the stream once it has it.
+        await self._count("responses", "200", prompt, cached, len(tokens), ttft, time.perf_counter() - start)
         for item in builder.finish(finish, responses_api.usage(prompt, len(tokens), cached, answer.reasoning_tokens)):
             yield responses_api.sse(item)
-        await self._count("responses", "200", prompt, cached, len(tokens), ttft, time.perf_counter() - start)

@@ -258,8 +258,7 @@ class ToolCallStream:
                 break
             end = body.find(INVOKE_CLOSE)
             if end < 0:
-                # Wait while it can still become an invoke or the block's close.
-                if not (INVOKE_OPEN.startswith(body[: len(INVOKE_OPEN)]) or CALLS_CLOSE.startswith(body)):
+                if not _may_continue(body):  # wait while it can still become an invoke or the close
                     events += self._fail()
                 break
             call = parse_invoke(body[: end + len(INVOKE_CLOSE)])
@@ -281,18 +280,26 @@ class ToolCallStream:
 
     def finish(self) -> list[Content | Called]:
         """The end of the answer: whatever is still held back, as answer text; except a
-        block cut off after a whole call, in its close (max tokens ran out there): its
-        calls stand, and the start of the close is markup, not answer text."""
+        block cut off after a whole call inside the next tag (max tokens ran out in the
+        next invoke's opening or in the close): its calls stand, and the start of a tag
+        is not answer text. A call cut off after its opening tag comes back as text."""
         events: list[Content | Called] = []
         if self._pending:
             events.append(Content(self._pending))
             self._pending = ""
         if self._block is not None:
-            if self._calls and CALLS_CLOSE.startswith(self._block.strip()):
+            rest = self._block.lstrip()
+            if self._calls and (INVOKE_OPEN.startswith(rest) or CALLS_CLOSE.startswith(rest)):
                 self._block = None
             else:
                 events += self._fail()
         return events
+
+
+def _may_continue(body: str) -> bool:
+    """Whether the rest of a block (after a call, leading whitespace dropped) can still
+    become an invoke or the block's close."""
+    return INVOKE_OPEN.startswith(body[: len(INVOKE_OPEN)]) or CALLS_CLOSE.startswith(body)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

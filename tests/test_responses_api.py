@@ -85,6 +85,12 @@ def test_text_format_logprobs_and_plain_input() -> None:
     ({"reasoning": {"effort": "huge"}}, "reasoning.effort", "huge"),
     ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning", "reasoning.summary"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format", "name"),
+    ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format", "only type json_schema takes schema"),
+    ({"tools": [TOOL], "text": {"format": {"type": "json_object"}}}, "text.format", "leave out text.format"),
+    ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input", "input[0]: no function"),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                   "arguments": "{}"}, {"type": "reasoning", "summary": []}]},
+     "input", "input[2]: a reasoning item begins"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "nope"),
     ({"instructions": "x", "input": [{"role": "user", "content": "a"}, {"role": "user", "content": [
         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
@@ -115,7 +121,8 @@ def test_the_stream_events_rebuild_the_response_in_the_sdk() -> None:
             "function": {"name": "count_lines", "arguments": '{"module": "glob"}'}}
     lp = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
     deltas = [{"reasoning_content": "Let me "}, {"reasoning_content": "count."},
-              {"content": "Hi", "logprobs": {"content": [lp]}}, {"content": " there."}, {"tool_calls": [call]},
+              {"content": "Hi", "logprobs": {"content": [lp]}}, {"content": " there."},
+              {"tool_calls": [call], "logprobs": {"content": [lp, lp]}},  # the markup's: nowhere to go
               {"content": "Done."}]
     builder = ResponseBuilder("resp_1", MODEL, {"tools": [TOOL], "parallel_tool_calls": True, "tool_choice": "auto"},
                               logprobs=True, thinking=True)

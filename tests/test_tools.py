@@ -145,10 +145,10 @@ def test_a_call_that_does_not_parse_comes_back_as_text(bad: str) -> None:
     assert calls == [] and content == "Sure." + bad
 
 
-@pytest.mark.parametrize("cut", ["", "\n", "\n</", "\n</｜DSML｜ cal"])
-def test_a_block_cut_off_in_its_close_keeps_its_calls_and_shows_no_markup(cut: str) -> None:
-    """max_tokens can run out after the last </｜DSML｜ invoke>: the calls are whole, and
-    a start of the block's close is neither a call nor answer text."""
+@pytest.mark.parametrize("cut", ["", "\n", "\n</", "\n</｜DSML｜ cal", "\n<", "\n<｜DSML｜ inv"])
+def test_a_block_cut_off_after_a_call_keeps_its_calls_and_shows_no_markup(cut: str) -> None:
+    """max_tokens can run out after a </｜DSML｜ invoke>: the calls are whole, and a start
+    of the next invoke or of the block's close is neither a call nor answer text."""
     whole = calls_text([ToolCall("f", '{"x": 1}')])
     block = whole[: whole.index("</｜DSML｜ invoke>") + len("</｜DSML｜ invoke>")] + cut
     content, calls = split_answer(["Sure.", block[:20], block[20:]])
