@@ -258,7 +258,8 @@ class ToolCallStream:
                 break
             end = body.find(INVOKE_CLOSE)
             if end < 0:
-                if not _may_continue(body):  # wait while it can still become an invoke or the close
+                # Wait while it can still become an invoke or the block's close.
+                if not (INVOKE_OPEN.startswith(body[: len(INVOKE_OPEN)]) or CALLS_CLOSE.startswith(body)):
                     events += self._fail()
                 break
             call = parse_invoke(body[: end + len(INVOKE_CLOSE)])
@@ -294,12 +295,6 @@ class ToolCallStream:
             else:
                 events += self._fail()
         return events
-
-
-def _may_continue(body: str) -> bool:
-    """Whether the rest of a block (after a call, leading whitespace dropped) can still
-    become an invoke or the block's close."""
-    return INVOKE_OPEN.startswith(body[: len(INVOKE_OPEN)]) or CALLS_CLOSE.startswith(body)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
