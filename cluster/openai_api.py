@@ -201,8 +201,12 @@ class _ImagePart(_Schema):
     image_url: _ImageUrl
 
 
+# A tool's name, as OpenAI limits it (chat's and the Responses API's tools alike).
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+
+
 class _Function(_Schema):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     # A strict tool's calls follow its schema: by grammar when a call is forced; with

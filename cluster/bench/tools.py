@@ -42,15 +42,15 @@ def _turns(conversations):
     return [(conv, i) for conv in conversations for i, m in enumerate(conv.messages) if m.role == "assistant"]
 
 
-def _generate(engine, tokenizer, prompts: list[list[int]], grammars: list[str | None], max_tokens: int = 192,
-              after: tuple[int, ...] = ()):
+def _generate(engine, tokenizer, prompts: list[list[int]],
+              grammars: list[tuple[str, tuple[int, ...]] | None], max_tokens: int = 192):
     """Greedy answers: (text, whether it ended with the end token rather than at max_tokens).
-    ``after``: the tokens each grammar starts after."""
+    ``grammars``: each answer's grammar and the tokens it starts after (None: free)."""
     from model.runtime.batcher import generate
     from model.runtime.sampling import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, grammar=grammar, grammar_after=after)
-              for grammar in grammars]
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, grammar=chosen[0] if chosen else None,
+                             grammar_after=chosen[1] if chosen else ()) for chosen in grammars]
     outputs = generate(engine, prompts, params, (tokenizer.special.eos,), max_batch=16, tokenizer=tokenizer)
     # The end token is not returned: an answer that ended has fewer than max_tokens tokens.
     return [(tokenizer.decode(ids), len(ids) < max_tokens) for ids in outputs]
@@ -99,6 +99,17 @@ def _score_answer(answer: tuple[str, bool], conv, index: int) -> dict[str, bool]
     return {"no_call": not calls, "has_result": not calls and has, "exact": not calls and content.strip() == expected}
 
 
+def _served_grammar(tools, choice: str, dsml: int | None) -> tuple[str, tuple[int, ...]] | None:
+    """The grammar, and the tokens it starts after, that the server gives an answer
+    under ``tool_choice`` ``choice`` (thinking off), or None for a free answer."""
+    from cluster.openai_api import GenerationRequest
+    from model.runtime.sampling import SamplingParams
+
+    chosen = GenerationRequest("bench", SamplingParams(), False, False, tools=tuple(tools),
+                               tool_choice=choice).grammar(dsml, None)
+    return chosen[:2] if chosen is not None else None
+
+
 def evaluate_tools(checkpoint_dir: Path, n: int = 100, seed: int = 1,
                    splits: tuple[str, ...] = ("held_out", "held_out_phrasing")) -> dict:
     """The scores (shares of turns) per split and turn kind, free and constrained."""
@@ -108,7 +119,6 @@ def evaluate_tools(checkpoint_dir: Path, n: int = 100, seed: int = 1,
     from model.chat import ChatTemplate, Tokenizer
     from model.loader import load_checkpoint, load_hasher
     from model.runtime.engine import Engine
-    from model.runtime.grammar import tool_call_grammar
 
     checkpoint = load_checkpoint(checkpoint_dir)
     engine = Engine(checkpoint.backbone, load_hasher(checkpoint_dir, checkpoint.config))
@@ -121,18 +131,13 @@ def evaluate_tools(checkpoint_dir: Path, n: int = 100, seed: int = 1,
             prompts = [template.render(conv.messages[:i], tools=conv.tools) for conv, i in turns]
             calling = [bool(conv.messages[i].tool_calls) for conv, i in turns]
             free = _generate(engine, tokenizer, prompts, [None] * len(prompts))
-            grammars = [tool_call_grammar(conv.tools, None, True, tokenizer.special.dsml) if c else None
-                        for (conv, _), c in zip(turns, calling)]
             call_idx = [k for k, c in enumerate(calling) if c]
             call_prompts = [prompts[k] for k in call_idx]
-            constrained = {"call_constrained": dict(zip(call_idx, _generate(
-                engine, tokenizer, call_prompts, [grammars[k] for k in call_idx])))}
-            dsml = tokenizer.special.dsml
-            if dsml is not None:
-                constrained["call_auto"] = dict(zip(call_idx, _generate(
-                    engine, tokenizer, call_prompts,
-                    [tool_call_grammar(turns[k][0].tools, None, True, dsml, opened=True) for k in call_idx],
-                    after=(dsml,))))
+            constrained = {}
+            for kind, choice in (("call_constrained", "required"), ("call_auto", "auto")):
+                chosen = [_served_grammar(turns[k][0].tools, choice, tokenizer.special.dsml) for k in call_idx]
+                if None not in chosen:  # (auto without the ｜DSML｜ token is free: no row)
+                    constrained[kind] = dict(zip(call_idx, _generate(engine, tokenizer, call_prompts, chosen)))
             rows: dict[str, list[dict[str, bool]]] = {"call": [], **{kind: [] for kind in constrained}, "answer": []}
             for k, (conv, i) in enumerate(turns):
                 functions = {f["name"]: f for f in conv.tools}
