@@ -100,11 +100,9 @@ class ModelBundle(ModelIdentity):
         return Speculation(drafter, config.speculation, k=k, cost=cost)
 
     def store(self, config: AppConfig):
-        from actors.store import StoreSettings, node_store
+        from actors.store import node_store
 
-        settings = StoreSettings(ssd_dir=config.ssd_dir, redis_url=config.redis_url,
-                                 redis_stores_bytes=config.redis_stores_bytes, retention=config.retention())
-        return node_store(settings, self.naming.fingerprint.digest)
+        return node_store(config.store_settings(), self.naming.fingerprint.digest)
 
 
 def pool_checkpoint(directory, drop_decoder: bool, shard=None):

@@ -113,7 +113,10 @@ class StoreActor:
             self.store.put(key, payload)
         return self.store.publish()
 
-    def remove(self, key: ObjectKey) -> None:
+    def remove(self, key: ObjectKey, timeout: float = 10.0) -> None:
+        """Delete ``key`` from every tier, after the writes queued before it (which
+        would otherwise land after the delete)."""
+        self.store.flush(timeout)
         self.store.remove(key)
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -198,6 +201,16 @@ class RemoteStore:
             ref = self.handle.put_indexed.remote(objects)
             return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self._timeout_s)
         except (RayError, TimeoutError):
+            self.recover()
+            return False
+
+    def remove(self, key: ObjectKey) -> bool:
+        """Delete ``key`` from the node's tiers and the index, and wait for it; False if
+        the store did not answer in time."""
+        try:
+            ray.get(self.handle.remove.remote(key), timeout=2 * self._timeout_s)
+            return True
+        except (RayError, GetTimeoutError):
             self.recover()
             return False
 

@@ -26,6 +26,7 @@ def resolve_model(path: str) -> Path:
 
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class ParallelConfig(BaseModel):
@@ -92,6 +93,11 @@ class AppConfig(BaseModel):
     window_ttl_minutes: float = 30.0
     chunk_retention_hours: float = 72.0
     persist_window_states: bool = False
+    # POST /v1/responses keeps each response (and its input) in the node's store for
+    # previous_response_id and GET/DELETE /v1/responses/{id} (OpenAI's default is
+    # store: true); false refuses store: true. Kept this long after the last use, on SSD.
+    store_responses: bool = True
+    response_retention_hours: PositiveFloat = 72.0
     api_key: str | None = None  # prefer api_key_file: a key here is in the YAML and the Serve config
     api_key_file: str | None = None  # a file holding the key (read by the router when it starts)
     threads: PositiveInt = 1
@@ -175,7 +181,15 @@ class AppConfig(BaseModel):
         extra = {} if self.ram_capacity_bytes is None else {"ram_capacity_bytes": self.ram_capacity_bytes}
         return RetentionPolicy(chunk_retention_hours=self.chunk_retention_hours,
                                window_ttl_minutes=self.window_ttl_minutes,
-                               persist_window_states=self.persist_window_states, **extra)
+                               persist_window_states=self.persist_window_states,
+                               response_retention_hours=self.response_retention_hours, **extra)
+
+    def store_settings(self):
+        """What every node's store actor is opened with (actors/store.py)."""
+        from actors.store import StoreSettings
+
+        return StoreSettings(ssd_dir=self.ssd_dir, redis_url=self.redis_url,
+                             redis_stores_bytes=self.redis_stores_bytes, retention=self.retention())
 
 
 def _describe(error: dict) -> str:

@@ -11,9 +11,11 @@ not ``messages[4]``).
 :class:`ResponseBuilder` turns the chat answer's deltas into output items and the
 stream's events; the unstreamed response is the same builder's final object.
 
-Stateless: ``store`` is false (true is a 400), and ``previous_response_id`` and
-``conversation`` are refused by name; a client sends the whole input each turn, as the
-OpenAI Agents SDK does by default. No I/O here.
+Stored responses: with ``store`` (the default where the server keeps responses), the
+router keeps each response with the input it answered (:func:`record`), in the node's
+store; ``previous_response_id`` names one, whose input and output come before this
+request's input (:func:`history`). ``conversation`` (the Conversations API) is refused
+by name. No I/O here: the router reads and writes the records.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import json
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictBool, Tag
+from pydantic import Discriminator, Field, StrictBool, Tag, TypeAdapter, ValidationError
 
 from cluster.openai_api import (
     ApiError,
@@ -129,6 +132,10 @@ _Item = Annotated[
 ]
 
 
+_TAGS = (*_ITEM_TYPES, "input_text", "input_image", "output_text")  # type tags a location names after an index
+_ITEMS = TypeAdapter(list[_Item])
+
+
 class _FunctionTool(_Schema):
     type: Literal["function"]
     name: ToolName
@@ -181,6 +188,7 @@ class ResponsesRequest(_Schema):
     include: list[Literal["message.output_text.logprobs"]] | None = None
     stream: StrictBool = False
     store: StrictBool | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1)
     background: StrictBool | None = None
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
@@ -198,6 +206,8 @@ class ParsedResponses:
     echo: dict
     logprobs: bool  # the answer text's logprobs were asked for (``include``)
     origins: tuple[str, ...]  # where each chat message came from: "instructions", "input[3]", ...
+    store: bool = False  # keep the response (:func:`record`)
+    input_items: tuple[dict, ...] = ()  # what it answers: the previous response's items, then this input
 
     def renamed(self, error: ApiError) -> ApiError:
         return renamed(error, self.origins)
@@ -217,18 +227,26 @@ _CHAT_NAMES = re.compile(r"\b(?:max_completion_tokens|max_tokens|response_format
 
 def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: int | None = None,
                     read_image: Callable[[str], tuple[int, Any]] | None = None,
-                    max_images: int = 0) -> ParsedResponses:
-    """The request, or an :class:`ApiError` naming the Responses parameter at fault."""
-    request = _validated(ResponsesRequest, data, tags=(*_ITEM_TYPES, "input_text", "input_image", "output_text"))
-    if request.store:
+                    max_images: int = 0, keeps: bool = False, history: Sequence[dict] = ()) -> ParsedResponses:
+    """The request, or an :class:`ApiError` naming the Responses parameter at fault.
+
+    ``keeps``: the server keeps responses (``store`` defaults to true, and
+    ``previous_response_id`` may name one); ``history``: the items of the response it
+    names (:func:`history`), read by the caller."""
+    request = _validated(ResponsesRequest, data, tags=_TAGS)
+    if not keeps and request.store:
         raise ApiError(400, "store: this server keeps no responses (send store: false or leave it out, and send "
                             "the whole conversation as input each turn)", "store")
+    if not keeps and request.previous_response_id is not None:
+        raise ApiError(400, "previous_response_id: this server keeps no responses (send the whole conversation as "
+                            "input each turn)", "previous_response_id")
+    earlier = _stored_items(history)
     if request.background:
         raise ApiError(400, "background: responses run in the foreground here (leave it out)", "background")
     effort = request.reasoning.effort if request.reasoning else None
     if request.top_logprobs is not None and LOGPROBS not in (request.include or ()):
         raise ApiError(400, f"top_logprobs needs include: [{LOGPROBS!r}]", "top_logprobs")
-    messages, origins = _messages(request)
+    messages, origins = _messages(request, earlier)
     chat = {"model": request.model, "messages": messages, "stream": request.stream,
             **{key: value for key, value in (
                 ("max_completion_tokens", request.max_output_tokens), ("temperature", request.temperature),
@@ -236,6 +254,7 @@ def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: i
                 ("tools", _tools(request)), ("tool_choice", _tool_choice(request)),
                 ("response_format", _response_format(request)),
                 ("reasoning_effort", effort)) if value is not None}}
+    store = keeps and request.store is not False
     logprobs = LOGPROBS in (request.include or ())
     if logprobs:
         chat.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
@@ -249,8 +268,10 @@ def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: i
             "tool_choice": data.get("tool_choice") or "auto", "tools": data.get("tools") or [],
             "text": {"format": (data.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": effort, "summary": None},
-            "store": False, "background": False, "truncation": "disabled", "previous_response_id": None}
-    return ParsedResponses(generation, echo, logprobs, tuple(origins))
+            "store": store, "background": False, "truncation": "disabled",
+            "previous_response_id": request.previous_response_id}
+    return ParsedResponses(generation, echo, logprobs, tuple(origins), store,
+                           (*history, *_identified(data["input"], request.input)) if store else ())
 
 
 def renamed(error: ApiError, origins: Sequence[str]) -> ApiError:
@@ -269,24 +290,23 @@ def renamed(error: ApiError, origins: Sequence[str]) -> ApiError:
     return ApiError(error.status, message, param, error.kind, error.code, error.headers)
 
 
-def _messages(request: ResponsesRequest) -> tuple[list[dict], list[str]]:
-    """The chat messages the input means, and where each came from. An assistant turn
-    is one message: the reasoning, text and calls of consecutive assistant items (a
-    reasoning item after text or calls begins the next turn). A call's output must
-    follow the call."""
+def _messages(request: ResponsesRequest, earlier: Sequence[_Item] = ()) -> tuple[list[dict], list[str]]:
+    """The chat messages the input means (after ``earlier``: the items of the previous
+    response), and where each came from. An assistant turn is one message: the
+    reasoning, text and calls of consecutive assistant items (a reasoning item after
+    text or calls begins the next turn). A call's output must follow the call."""
     messages: list[dict] = []
     origins: list[str] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
         origins.append("instructions")
     if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-        origins.append("input")
-        return messages, origins
+        items = [(_MessageItem(role="user", content=request.input), "input")]
+    else:
+        items = [(item, f"input[{index}]") for index, item in enumerate(request.input)]
     turn: dict | None = None  # the assistant turn being gathered
     called: set[str] = set()
-    for index, item in enumerate(request.input):
-        where = f"input[{index}]"
+    for item, where in [*((item, "previous_response_id") for item in earlier), *items]:
         assistant = isinstance(item, _FunctionCallItem | _ReasoningItem) or (
             isinstance(item, _MessageItem) and item.role == "assistant")
         if not assistant:
@@ -372,6 +392,122 @@ def _response_format(request: ResponsesRequest) -> dict | None:
     schema = {"name": form.name, **{key: value for key, value in (
         ("description", form.description), ("schema", form.schema_), ("strict", form.strict)) if value is not None}}
     return {"type": "json_schema", "json_schema": schema}
+
+
+# ---------------------------------------------------------------------- stored responses
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _identified(raw: str | list, items: str | list[_Item]) -> list[dict]:
+    """This request's input as stored: the items as sent, each with an id (an input
+    string is one user message)."""
+    if isinstance(raw, str):
+        return [{"id": _id("msg"), "type": "message", "role": "user", "content": raw}]
+    return [{**sent, "id": sent.get("id") or _id(_ID_PREFIX[item.type]), "type": item.type}
+            for sent, item in zip(raw, items)]
+
+
+def _stored_items(history: Sequence[dict]) -> list[_Item]:
+    try:
+        return _ITEMS.validate_python(list(history))
+    except ValidationError:  # read_record checked them: a record written by another version
+        raise ApiError(400, "previous_response_id: that response's items cannot be read by this server",
+                       "previous_response_id", code="previous_response_not_found") from None
+
+
+def record(parsed: ParsedResponses, response: dict) -> dict:
+    """What the store keeps of a finished response: the response object and the input
+    it answered (the previous response's items included)."""
+    return {"response": response, "input": list(parsed.input_items)}
+
+
+def encoded(stored: dict) -> bytes:
+    """A record's bytes in the store: JSON (never pickled)."""
+    return json.dumps(stored, separators=(",", ":")).encode()
+
+
+class RecentRecords:
+    """The records of the latest stored responses by id, up to ``capacity`` bytes of
+    their JSON, least recently used out first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._records: OrderedDict[str, tuple[dict, int]] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, rid: str, stored: dict, size: int) -> None:
+        self.pop(rid)
+        self._records[rid] = (stored, size)
+        self._bytes += size
+        while self._bytes > self.capacity:
+            self._bytes -= self._records.popitem(last=False)[1][1]
+
+    def get(self, rid: str) -> dict | None:
+        found = self._records.get(rid)
+        if found is None:
+            return None
+        self._records.move_to_end(rid)
+        return found[0]
+
+    def pop(self, rid: str) -> None:
+        found = self._records.pop(rid, None)
+        if found is not None:
+            self._bytes -= found[1]
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+def read_record(payload: bytes | None) -> dict | None:
+    """A stored record, or None when there is none or it is not one (reads as a miss)."""
+    if payload is None:
+        return None
+    try:
+        data = json.loads(payload)
+        response, items = data["response"], data["input"]
+        if not (isinstance(response, dict) and isinstance(response.get("id"), str)
+                and isinstance(response.get("output"), list) and isinstance(items, list)):
+            return None
+        _ITEMS.validate_python(items + response["output"])
+    except (ValueError, KeyError, TypeError):  # (pydantic's ValidationError is a ValueError)
+        return None
+    return data
+
+
+def history(stored: dict) -> list[dict]:
+    """The items a response carries into one that names it as ``previous_response_id``:
+    its input, then its output."""
+    return [*stored["input"], *stored["response"]["output"]]
+
+
+def input_items_page(stored: dict, after: str | None = None, limit: int = 20, order: str = "desc") -> dict:
+    """``GET /v1/responses/{id}/input_items``: a page of the input a response answered
+    (``order`` ``desc`` is newest first; ``after`` an item id of the previous page)."""
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be 'asc' or 'desc'", "order")
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "limit must be between 1 and 100", "limit")
+    items = [_listed(item) for item in stored["input"]]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise ApiError(400, f"after: no input item {after!r} in this response", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+
+def _listed(item: dict) -> dict:
+    """An input item as OpenAI lists it: a message's text content as one part."""
+    if item.get("type") == "message" and isinstance(item.get("content"), str):
+        part = {"type": "output_text", "text": item["content"], "annotations": []} if item["role"] == "assistant" \
+            else {"type": "input_text", "text": item["content"]}
+        return {**item, "content": [part], "status": item.get("status") or "completed"}
+    return item
 
 
 # ---------------------------------------------------------------------- the answer

@@ -257,6 +257,11 @@ class Router:
         self.think_end = self.tokenizer.special.think_end
         self.dsml = self.tokenizer.special.dsml  # a special token: its text is put back for the parser
         self.grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._store = None  # this node's store actor (stored responses), reached at the first use
+        # Stored responses this router wrote lately (their records, up to 64 MiB of JSON):
+        # a next turn naming one reads it here, and need not wait for its store.
+        self.kept = responses_api.RecentRecords(64 << 20)
+        self._keeping: dict[str, asyncio.Task] = {}  # responses whose store has not answered yet
         self.engram, self.hasher = None, None
         if config.engram_shards:
             import ray
@@ -612,6 +617,33 @@ class Router:
     async def responses(self, request: Request):
         return await self._serve(request, "responses")
 
+    @fastapi_app.get("/v1/responses/{rid}")
+    async def stored_response(self, rid: str, request: Request):
+        try:
+            self._authorize(request)
+            return (await self._stored_response(rid))["response"]
+        except api.ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+
+    @fastapi_app.get("/v1/responses/{rid}/input_items")
+    async def stored_input_items(self, rid: str, request: Request, after: str | None = None, limit: int = 20,
+                                 order: str = "desc"):
+        try:
+            self._authorize(request)
+            return responses_api.input_items_page(await self._stored_response(rid), after, limit, order)
+        except api.ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+
+    @fastapi_app.delete("/v1/responses/{rid}")
+    async def delete_response(self, rid: str, request: Request):
+        try:
+            self._authorize(request)
+            await self._stored_response(rid)
+            await self._forget_response(rid)
+        except api.ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return {"id": rid, "object": "response", "deleted": True}
+
     async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 as soon as it is known to be over the
         limit (before reading it when its Content-Length says so)."""
@@ -631,15 +663,18 @@ class Router:
             parts.append(part)
         return b"".join(parts)
 
-    def _parse(self, endpoint: str, data: dict):
-        """(the generation request, the Responses request it came from or None)."""
+    def _parse(self, endpoint: str, data: dict, history: list[dict]):
+        """(the generation request, the Responses request it came from or None);
+        ``history``: the items of the response a Responses request continues."""
         if endpoint == "completions":
             return api.parse_completion(data, self.config.model_name, self.config.max_tokens_default,
                                         self.model_config.text.vocab_size), None
-        parse = api.parse_chat if endpoint == "chat" else responses_api.parse_responses
-        parsed = parse(data, self.config.model_name, self.config.max_tokens_default, self.model_config.text.vocab_size,
-                       self._read_image if self.vision is not None else None, self.config.max_images_per_request)
-        return (parsed, None) if endpoint == "chat" else (parsed.generation, parsed)
+        common = (data, self.config.model_name, self.config.max_tokens_default, self.model_config.text.vocab_size,
+                  self._read_image if self.vision is not None else None, self.config.max_images_per_request)
+        if endpoint == "chat":
+            return api.parse_chat(*common), None
+        parsed = responses_api.parse_responses(*common, keeps=self.config.store_responses, history=history)
+        return parsed.generation, parsed
 
     async def _serve(self, request: Request, endpoint: str):
         """One request of ``endpoint`` (chat, completions or responses)."""
@@ -652,8 +687,9 @@ class Router:
             # A big body is parsed off the event loop, so other clients' tokens keep flowing
             # (images are decoded while parsing).
             data = api.parse_json(body) if len(body) < 65536 else await asyncio.to_thread(api.parse_json, body)
-            parsed, responses = self._parse(endpoint, data) if len(body) < 65536 else \
-                await asyncio.to_thread(self._parse, endpoint, data)
+            history = await self._continued(data) if endpoint == "responses" else []
+            parsed, responses = self._parse(endpoint, data, history) if len(body) < 65536 and len(history) < 64 else \
+                await asyncio.to_thread(self._parse, endpoint, data, history)
             parsed = self._constrained(parsed)
             tokens = self._render(parsed)
             rid = responses_api.response_id() if responses is not None else api.new_id("chatcmpl" if chat else "cmpl")
@@ -705,6 +741,7 @@ class Router:
             builder.push(result["deltas"])
             body = builder.finish(result["finish"], responses_api.usage(
                 len(tokens), generated, result["cached"], result["reasoning_tokens"]))[-1]["response"]
+            await self._keep_response(responses, body)
         elif chat:
             body = api.chat_response(rid, self.config.model_name, [
                 api.chat_choice(i, r["content"], r["reasoning"], r["finish"], r["calls"], r["logprobs"])
@@ -940,10 +977,100 @@ class Router:
                     break  # the request's last token: do not wait for the stream to close
         except Exception as error:  # noqa: BLE001 (passed on to the client)
             self.metrics.record("responses", "503")
-            yield responses_api.sse(builder.failed(_generation_failed(error)))
+            failed = builder.failed(_generation_failed(error))
+            await self._keep_response(responses, failed["response"])
+            yield responses_api.sse(failed)
             return
         self._remember(answer, tokens)
-        # Counted before the last event: a client may close the stream once it has it.
+        # Counted and kept before the last event: a client may close the stream once it
+        # has it, and send the next turn naming it.
         await self._count("responses", "200", prompt, cached, len(tokens), ttft, time.perf_counter() - start)
-        for item in builder.finish(finish, responses_api.usage(prompt, len(tokens), cached, answer.reasoning_tokens)):
+        events = builder.finish(finish, responses_api.usage(prompt, len(tokens), cached, answer.reasoning_tokens))
+        await self._keep_response(responses, events[-1]["response"])
+        for item in events:
             yield responses_api.sse(item)
+
+    # ------------------------------------------------------------------ stored responses
+    async def _node_store(self):
+        """This node's store actor (created on first use, as the replicas' is)."""
+        if self._store is None:
+            from actors.store import node_store
+
+            self._store = await asyncio.to_thread(node_store, self.config.store_settings(),
+                                                  self.naming.fingerprint.digest)
+        return self._store
+
+    async def _continued(self, data: dict) -> list[dict]:
+        """The items of the response a Responses request names as ``previous_response_id``
+        (none when it names none, or the server keeps none: parsing refuses that)."""
+        previous = data.get("previous_response_id") if isinstance(data, dict) else None
+        if not isinstance(previous, str) or not previous or not self.config.store_responses:
+            return []
+        return responses_api.history(await self._stored_response(previous, "previous_response_id"))
+
+    async def _stored_response(self, rid: str, param: str | None = None) -> dict:
+        """A stored response's record: the ones this router kept lately, then this node's
+        store, then the nodes the cluster index says hold it; a 404 (or, for ``param``, a
+        400 naming it) if none has it."""
+        from storage.keys import response_key
+
+        key, found = response_key(rid), None
+        if self.config.store_responses:
+            found = self.kept.get(rid) or await self._read_record(await self._node_store(), key)
+            for peer in [] if found is not None else await asyncio.to_thread(self._peers, key):
+                if (found := await self._read_record(peer, key)) is not None:
+                    break
+        if found is None:
+            if param is not None:
+                raise api.ApiError(400, f"{param}: no stored response has id {rid!r} (it was not stored, was "
+                                        "deleted, or its retention ran out)", param,
+                                   code="previous_response_not_found")
+            raise api.ApiError(404, f"No response found with id {rid!r}", code="not_found")
+        return found
+
+    @staticmethod
+    async def _read_record(store, key) -> dict | None:
+        return responses_api.read_record((await asyncio.to_thread(store.get_many, [key]))[0])
+
+    def _peers(self, key) -> list:
+        """The store actors of the other nodes the cluster index says hold ``key``."""
+        import ray
+
+        from actors.store import peer_store
+        from storage.index import SHARED_NODE
+
+        located = self.index.locate([key], time.time()) if self.index is not None else None
+        here = ray.get_runtime_context().get_node_id()
+        nodes = {location.node_id for location in (located or [()])[0]} - {here, SHARED_NODE}
+        return [peer for peer in map(peer_store, sorted(nodes)) if peer is not None]
+
+    async def _keep_response(self, responses: responses_api.ParsedResponses, response: dict) -> None:
+        """Store a finished response with its input (when asked to) in this node's store,
+        and index it there, while the client gets it: this router answers a next turn
+        naming it from memory; any router finds it in the store once it has answered."""
+        if not responses.store:
+            return
+        from storage.keys import response_key
+
+        rid, stored = response["id"], responses_api.record(responses, response)
+        payload = responses_api.encoded(stored)
+        self.kept.put(rid, stored, len(payload))
+        store = await self._node_store()
+
+        async def put() -> None:
+            if not await store.put_now([(response_key(rid), payload)]):
+                logger.warning("response %s: the store did not confirm it in time", rid)
+            self._keeping.pop(rid, None)
+
+        self._keeping[rid] = asyncio.ensure_future(put())
+
+    async def _forget_response(self, rid: str) -> None:
+        """Delete a stored response from this node's store and every other that holds it."""
+        from storage.keys import response_key
+
+        key = response_key(rid)
+        self.kept.pop(rid)
+        if rid in self._keeping:  # (its store must not land after the delete)
+            await self._keeping[rid]
+        stores = [await self._node_store(), *await asyncio.to_thread(self._peers, key)]
+        await asyncio.gather(*(asyncio.to_thread(store.remove, key) for store in stores))

@@ -35,6 +35,7 @@ class Kind(enum.IntEnum):
 
     CHUNK = 1  # long-range cache bytes of one chunk of tokens
     WINDOW = 2  # window state of a conversation's tail
+    RESPONSE = 3  # a stored Responses API response and its input (JSON; cluster/responses_api.py)
 
 
 @dataclass(frozen=True)
@@ -167,3 +168,9 @@ def window_keys_after(fingerprint: Fingerprint, token_ids: Sequence[int] | np.nd
     last = min(len(ids), chunked + chunk_tokens - 1)
     return [(n, ObjectKey(Kind.WINDOW, _link(b"v41-window", fingerprint, parent, ids[chunked:n], media, chunked)))
             for n in range(last, chunked - 1, -1)]
+
+
+def response_key(response_id: str) -> ObjectKey:
+    """Key of a stored response (``POST /v1/responses`` with ``store``), by its id."""
+    digest = hashlib.blake2b(response_id.encode(), digest_size=DIGEST_BYTES, person=b"v41-response").digest()
+    return ObjectKey(Kind.RESPONSE, digest)

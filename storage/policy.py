@@ -4,6 +4,9 @@ V4.1 keeps a conversation's long-range chunks for 72 hours after their last use,
 host RAM while it is hot and on the node's SSD after; window states (the last 128
 tokens of every layer) live only in host RAM for minutes. ``persist_window_states``
 turns on V4-style storage, where window states go to SSD too, for experiments.
+Stored Responses API responses (the text of a conversation, not its cache) stay in RAM
+for the window's minutes and on SSD for ``response_retention_hours`` after their last
+use (a ``previous_response_id`` that names one is a use).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class RetentionPolicy:
     chunk_retention_hours: float = 72.0
     window_ttl_minutes: float = 30.0
     persist_window_states: bool = False
+    response_retention_hours: float = 72.0
     ssd_capacity_bytes: int | None = None  # None: until the disk is full
     fsync: FsyncPolicy = FsyncPolicy.NEVER
     # A read refreshes the on-disk (and Redis) last-use time at most this often; after
@@ -61,13 +65,15 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         if self.ram_capacity_bytes < 0:
             raise ValueError("ram_capacity_bytes must be >= 0")
-        if self.chunk_retention_hours <= 0 or self.window_ttl_minutes <= 0:
+        if self.chunk_retention_hours <= 0 or self.window_ttl_minutes <= 0 or self.response_retention_hours <= 0:
             raise ValueError("retention times must be positive")
 
     def retention_s(self, kind: Kind, tier: TierName) -> float | None:
         """Seconds an object of ``kind`` stays in ``tier`` after its last use; None: never stored there."""
         if kind is Kind.CHUNK or tier is TierName.RAM:
             return self.ram_retention_s(kind)
+        if kind is Kind.RESPONSE:
+            return self.response_retention_hours * 3600.0
         return self.chunk_retention_hours * 3600.0 if self.persist_window_states else None
 
     def ram_retention_s(self, kind: Kind) -> float:
@@ -77,4 +83,5 @@ class RetentionPolicy:
     @property
     def longest_retention_s(self) -> float:
         """The longest any object is kept anywhere (the Redis index's key TTL)."""
-        return max(self.chunk_retention_hours * 3600.0, self.window_ttl_minutes * 60.0)
+        return max(self.chunk_retention_hours * 3600.0, self.response_retention_hours * 3600.0,
+                   self.window_ttl_minutes * 60.0)

@@ -14,7 +14,17 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from cluster.openai_api import OPENAI_EFFORT, ApiError
-from cluster.responses_api import ResponseBuilder, parse_responses, usage
+from cluster.responses_api import (
+    RecentRecords,
+    ResponseBuilder,
+    encoded,
+    history,
+    input_items_page,
+    parse_responses,
+    read_record,
+    record,
+    usage,
+)
 from model.chat import Message
 from model.tools import ToolCall
 
@@ -73,7 +83,7 @@ def test_text_format_logprobs_and_plain_input() -> None:
 
 @pytest.mark.parametrize("body, param, says", [
     ({"store": True}, "store", "keeps no responses"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
     ({"conversation": "conv_1"}, "conversation", "not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools", "tools[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0]"),
@@ -100,6 +110,97 @@ def test_errors_name_the_responses_parameter(body, param, says) -> None:
     with pytest.raises(ApiError) as caught:
         _parse(**{"input": "hi", **body})
     assert caught.value.status == 400 and caught.value.param == param and says in caught.value.message
+
+
+def _kept(history_=(), **body):
+    return parse_responses({"model": MODEL, **body}, MODEL, default_max=64, vocab_size=4096, keeps=True,
+                           history=history_)
+
+
+def _answered(parsed, deltas: list[dict]) -> dict:
+    """The final response object of ``parsed`` answered by ``deltas``."""
+    builder = parsed.builder("resp_1", MODEL)
+    builder.push(deltas)
+    return builder.finish("stop", usage(5, 2, 0, 0))[-1]["response"]
+
+
+def test_a_stored_response_carries_its_conversation_into_the_next() -> None:
+    """What the store keeps of a response, read back, puts its input and output before
+    the input of a request naming it: the same chat turns as the whole conversation sent
+    as input, the call's output answering a call of the stored turn."""
+    first = _kept(instructions="Be brief.", tools=[TOOL], input="Lines of glob?")
+    assert first.store and first.echo["store"] is True and first.echo["previous_response_id"] is None
+    assert first.input_items[0]["id"].startswith("msg_") and first.input_items[0]["content"] == "Lines of glob?"
+    response = _answered(first, [{"content": "Calling."}, {"tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "count_lines", "arguments": '{"module": "glob"}'}}]}])
+    stored = read_record(encoded(record(first, response)))
+    assert stored == record(first, response) and stored["response"] == response
+
+    carried = history(stored)
+    then = [{"type": "function_call_output", "call_id": "c1", "output": "120"}]
+    second = _kept(carried, instructions="Be brief.", tools=[TOOL], input=then, previous_response_id="resp_1")
+    whole = _kept(instructions="Be brief.", tools=[TOOL], input=[*carried, *then])
+    assert second.generation.messages == whole.generation.messages == (
+        Message("system", "Be brief."), Message("user", "Lines of glob?"),
+        Message("assistant", "Calling.", tool_calls=(ToolCall("count_lines", '{"module": "glob"}', "c1"),)),
+        Message("tool", "120", tool_call_id="c1"))
+    assert second.echo["previous_response_id"] == "resp_1"
+    # Its own record holds the whole input, every item with an id, this request's last.
+    assert [item["type"] for item in second.input_items] == ["message", "message", "function_call",
+                                                             "function_call_output"]
+    assert second.input_items[-1]["id"].startswith("fco_") and second.input_items[-1]["output"] == "120"
+    # The instructions are not carried over (OpenAI's rule): each request gives its own.
+    assert _kept(carried, input=then, previous_response_id="resp_1").generation.messages[0] == \
+        Message("user", "Lines of glob?")
+    # An error in this request's input is named by its own index, not the carried items'.
+    with pytest.raises(ApiError) as caught:
+        _kept(carried, input=[{"type": "function_call_output", "call_id": "c9", "output": "1"}],
+              previous_response_id="resp_1")
+    assert caught.value.message.startswith("input[0]: no function_call")
+
+
+def test_store_false_keeps_nothing_and_bad_records_read_as_misses() -> None:
+    assert not _kept(input="hi", store=False).store and _kept(input="hi", store=False).input_items == ()
+    assert _kept(input="hi", store=False).echo["store"] is False
+    good = encoded(record(_kept(input="hi"), _answered(_kept(input="hi"), [{"content": "yo"}])))
+    for payload in (None, b"", b"\x80\x04pickle", b"[]", good[:-1], good.replace(b'"output":[', b'"output":[7,'),
+                    json.dumps({"response": {"id": "r", "output": []}, "input": [{"type": "nope"}]}).encode()):
+        assert read_record(payload) is None
+    assert read_record(good) is not None
+
+
+def test_input_items_are_listed_newest_first_in_pages() -> None:
+    parsed = _kept(input=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                          {"role": "user", "content": [{"type": "input_text", "text": "c"}], "id": "msg_mine"}])
+    stored = read_record(encoded(record(parsed, _answered(parsed, [{"content": "d"}]))))
+    ids = [item["id"] for item in parsed.input_items]
+    assert ids[2] == "msg_mine" and len(set(ids)) == 3
+    page = input_items_page(stored, limit=2)
+    assert [item["id"] for item in page["data"]] == [ids[2], ids[1]] and page["has_more"]
+    assert page["first_id"] == ids[2] and page["last_id"] == ids[1]
+    assert page["data"][1]["content"] == [{"type": "output_text", "text": "b", "annotations": []}]
+    rest = input_items_page(stored, after=page["last_id"], limit=2)
+    assert [item["id"] for item in rest["data"]] == [ids[0]] and not rest["has_more"]
+    assert rest["data"][0]["content"] == [{"type": "input_text", "text": "a"}]
+    assert [item["id"] for item in input_items_page(stored, order="asc")["data"]] == ids
+    for args, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+        with pytest.raises(ApiError) as caught:
+            input_items_page(stored, **args)
+        assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_recent_records_keep_their_bytes_least_recently_used_out() -> None:
+    recent = RecentRecords(10)
+    for rid, size in (("a", 4), ("b", 4), ("a", 4)):  # "a" again: replaced, and now the newest
+        recent.put(rid, {"id": rid}, size)
+    assert len(recent) == 2 and recent.get("b") == {"id": "b"}  # "b" is now the newest
+    recent.put("c", {"id": "c"}, 4)  # 12 bytes: the least recently used ("a") goes
+    assert recent.get("a") is None and len(recent) == 2
+    recent.pop("b")
+    recent.put("d", {"id": "d"}, 6)
+    assert recent.get("c") == {"id": "c"} and recent.get("d") == {"id": "d"}
+    recent.put("e", {"id": "e"}, 11)  # bigger than it holds: nothing stays
+    assert len(recent) == 0
 
 
 def _events(builder: ResponseBuilder, deltas: list[dict], finish: str) -> list[dict]:

@@ -1,6 +1,7 @@
 """A full stop and start of the app on the same cache directory: a returning turn reads
-every chunk it stored (its window state lived in RAM only: the encoder replays it),
-and damaged SSD objects read as misses, never as wrong bytes."""
+every chunk it stored (its window state lived in RAM only: the encoder replays it), a
+stored Responses API response is still there to retrieve and continue, and damaged SSD
+objects read as misses, never as wrong bytes."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def conversation(client, n: int) -> tuple[int, int, str]:
     return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, answer.choices[0].message.content
 
 
-def chunk_files(root: Path) -> list[Path]:
-    return sorted(root.glob("ssd-*/objects/*/*/*.chunk"))
+def chunk_files(root: Path, suffix: str = "chunk") -> list[Path]:
+    return sorted(root.glob(f"ssd-*/objects/*/*/*.{suffix}"))
 
 
 def test_a_full_restart_keeps_every_stored_chunk_and_damage_reads_as_a_miss(tmp_path):
@@ -36,7 +37,8 @@ def test_a_full_restart_keeps_every_stored_chunk_and_damage_reads_as_a_miss(tmp_
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         conversation(client, 1)
         conversation(client, 2)  # stores every whole chunk of turn 2's prompt
-        wait_until(lambda: stored_objects() > 0, what="the writes")
+        kept = client.responses.create(model=MODEL, input="def main():\n", max_output_tokens=4, temperature=0)
+        wait_until(lambda: stored_objects() > 0 and chunk_files(tmp_path, "response"), what="the writes")
         stored = len(chunk_files(tmp_path))
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith("ssd-")] == ["ssd-node-0"]
 
@@ -47,8 +49,14 @@ def test_a_full_restart_keeps_every_stored_chunk_and_damage_reads_as_a_miss(tmp_
         prompt, cached, restored = conversation(client, 2)
         print(f"\nafter a full restart: {cached} of {prompt} prompt tokens cached ({stored} chunks on SSD)")
         assert cached == (prompt - 1) // CHUNK * CHUNK  # every whole chunk short of the last token
-    files = chunk_files(tmp_path)
-    assert len(files) >= stored
+        again = client.responses.retrieve(kept.id)
+        assert again.output_text == kept.output_text and again.usage == kept.usage
+        continued = client.responses.create(model=MODEL, previous_response_id=kept.id, input="    return 0\n",
+                                            max_output_tokens=2, temperature=0)
+        assert continued.previous_response_id == kept.id
+        assert continued.usage.input_tokens > kept.usage.input_tokens + kept.usage.output_tokens
+    files = chunk_files(tmp_path) + chunk_files(tmp_path, "response")
+    assert len(files) >= stored + 2
 
     # Damage every chunk file: a bit flipped in half of them, the other half torn.
     for number, path in enumerate(files):
@@ -64,3 +72,6 @@ def test_a_full_restart_keeps_every_stored_chunk_and_damage_reads_as_a_miss(tmp_
         _, cached, cold = conversation(client, 2)
         assert cached == 0  # every stored chunk is a miss now: encoded afresh
         assert cold == restored  # the answer from the restored cache is the cold answer
+        for rid in (kept.id, continued.id):
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(rid)

@@ -214,10 +214,51 @@ def test_the_responses_api_runs_a_cached_tool_loop_through_the_sdk(client):
     assert isinstance(parsed.output_parsed, Point), parsed.output_text
 
 
+def test_a_stored_response_is_continued_retrieved_and_deleted(client):
+    """``store`` (the default): a turn that names the previous response
+    (``previous_response_id``) and sends only the call's output is the turn that sends
+    the whole conversation, read from the cache; the response and its input come back
+    through the SDK; deleted, it is gone."""
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}
+    common = {"model": MODEL, "tools": [tool], "instructions": "Answer briefly.", "temperature": 0}
+    question = "What is the weather in Rome?\n" * 4
+    first = client.responses.create(input=question, tool_choice="required", parallel_tool_calls=False,
+                                    max_output_tokens=300, **common)
+    call = first.output[-1]
+    assert call.type == "function_call" and first.store and first.previous_response_id is None
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}
+    second = client.responses.create(previous_response_id=first.id, input=[result], max_output_tokens=8, **common)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
+    whole = client.responses.create(input=[{"role": "user", "content": question}, *(
+        item.model_dump(exclude_none=True) for item in first.output), result], max_output_tokens=8, store=False,
+        **common)
+    assert whole.usage.input_tokens == second.usage.input_tokens and whole.output_text == second.output_text
+    assert not whole.store
+
+    got = client.responses.retrieve(second.id)
+    assert got.output_text == second.output_text and got.usage == second.usage
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [item.type for item in items.data] == ["message", "function_call", "function_call_output"]
+    assert items.data[0].content[0].text == question and items.data[2].call_id == call.call_id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)  # store: false
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, previous_response_id=second.id, input="and?")
+    assert caught.value.param == "previous_response_id" and caught.value.code == "previous_response_not_found"
+    assert client.responses.retrieve(first.id).id == first.id  # the one before is still kept
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "gpt-9", "input": "x"}, 404, "model"),
-    ({"model": MODEL, "input": "x", "store": True}, 400, "store"),
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ({"model": MODEL, "input": "x", "previous_response_id": 7}, 400, "previous_response_id"),
+    ({"model": MODEL, "input": "x", "conversation": "conv_1"}, 400, "conversation"),
     ({"model": MODEL, "input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input"),
 ])
 def test_bad_responses_requests_are_4xx_naming_the_parameter(app, body, status, param):

@@ -1,10 +1,12 @@
 """The app on a Ray cluster of two raylets on this machine: prefill and decoder replicas and
-an Engram shard on different raylets, requests served across them."""
+an Engram shard on different raylets, requests served across them, and a stored response
+read from the other raylet's store."""
 
 from __future__ import annotations
 
-import openai
+import json
 
+import openai
 import pytest
 import ray
 from ray import serve
@@ -70,4 +72,28 @@ def test_pools_and_engram_shard_on_different_raylets(cluster, tmp_path):
         assert branch.headers["x-v41-prefilled-by"] == "pool"
         assert int(branch.headers["x-v41-moved-bytes"]) > 0
         assert branch.parse().usage.prompt_tokens_details.cached_tokens == history
+
+        # A stored response held by the other raylet's store (as if a router there had
+        # kept it): the router finds it through the Redis index, reads it from that
+        # node, continues it and deletes it there.
+        from storage.keys import response_key
+
+        router = next(actor["Address"]["NodeID"] for actor in ray._private.state.actors().values()
+                      if actor["State"] == "ALIVE" and actor["ActorClassName"].endswith(":Router"))
+        elsewhere = worker if router == head else head
+        store = ray.get_actor(f"v41-store-{elsewhere}", namespace="v41")  # (both pools' nodes have one)
+        stored = {"response": {"id": "resp_elsewhere", "object": "response", "created_at": 0, "status": "completed",
+                               "model": "deepseek-v4.1-small", "output": [{
+                                   "id": "msg_2", "type": "message", "role": "assistant", "status": "completed",
+                                   "content": [{"type": "output_text", "text": "ok", "annotations": []}]}]},
+                  "input": [{"id": "msg_1", "type": "message", "role": "user", "content": messages[0]["content"]}]}
+        key = response_key("resp_elsewhere")
+        assert ray.get(store.put_indexed.remote([(key, json.dumps(stored).encode())]))
+        assert client.responses.retrieve("resp_elsewhere").output_text == "ok"
+        continued = client.responses.create(model="deepseek-v4.1-small", previous_response_id="resp_elsewhere",
+                                            input="again", max_output_tokens=2, temperature=0)
+        assert continued.usage.input_tokens > first.usage.prompt_tokens
+        client.responses.delete("resp_elsewhere")
+        assert ray.get(store.get_many.remote([key])) == [None]
         ray.kill(holder)
+

@@ -1,4 +1,5 @@
-"""Retention under an injected clock: 72 h for chunks in every tier, minutes for window states."""
+"""Retention under an injected clock: 72 h for chunks in every tier, minutes for window states,
+stored responses for their own hours (on SSD, across a restart)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import redis
 
 from storage.index import RedisIndex
-from storage.keys import Fingerprint, chunk_keys, window_key
+from storage.keys import Fingerprint, chunk_keys, response_key, window_key
 from storage.policy import RetentionPolicy
 from storage.redis_link import RedisLink
 from storage.redis_server import RedisServer
@@ -128,6 +129,33 @@ def test_persisted_window_states_outlive_ram_v4_style(tmp_path: Path, redis_serv
         clock.now += 10 * HOUR
         assert store.get(window) == b"state"
         assert store.stats().tiers["ssd"].hits == 1
+
+
+def test_a_stored_response_outlives_ram_and_a_restart_for_its_hours(tmp_path: Path,
+                                                                    redis_server: RedisServer) -> None:
+    """A response (``POST /v1/responses`` with ``store``) leaves RAM after the window's
+    minutes but stays on SSD, where a reopened store finds it, until its own retention
+    (here 5 h, shorter than the chunks' 72) runs out after its last use."""
+    clock = Clock()
+    key = response_key("resp_abc")
+    assert key != response_key("resp_abd") and key.kind.name == "RESPONSE"
+    settings = {"ram": True, "ssd": True, "redis_bytes": False, "window_ttl_minutes": 30,
+                "response_retention_hours": 5}
+    with make_store(tmp_path, redis_server.url, clock, **settings) as store:
+        store.put(key, b'{"response": 1}')
+        assert store.flush(10)
+        clock.now += HOUR
+        store.gc()
+        assert store.stats().tiers["ram"].expirations == 1
+        assert store.get(key) == b'{"response": 1}' and store.stats().tiers["ssd"].hits == 1
+    assert list((tmp_path / "ssd").rglob("*.response"))
+    clock.now += 4.5 * HOUR  # 4.5 h after its last use (the read above)
+    with make_store(tmp_path, redis_server.url, clock, **settings) as store:
+        assert store.get(key) == b'{"response": 1}'
+        clock.now += 5.5 * HOUR
+        store.gc()
+        assert store.flush(10)
+        assert_gone_everywhere(store, key, tmp_path, redis_server.url, clock)
 
 
 def test_retention_numbers_are_config(tmp_path: Path, redis_server: RedisServer) -> None:

@@ -143,6 +143,8 @@ _FLAGS = (
     ("--ram-gb", "ram_capacity_bytes", float, "host RAM for cached state per node, GiB (default 10%% of RAM)"),
     ("--chunk-retention-hours", "chunk_retention_hours", float, "keep long-range chunks this long (default 72)"),
     ("--window-ttl-minutes", "window_ttl_minutes", float, "keep window states this long (default 30)"),
+    ("--response-retention-hours", "response_retention_hours", float,
+     "keep stored /v1/responses responses this long (default 72)"),
 )
 
 

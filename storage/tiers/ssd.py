@@ -37,7 +37,7 @@ from storage.tiers.sized import SizedPayload
 
 WriteFile = Callable[[int, Sequence[bytes]], None]
 
-_SUFFIX = {Kind.CHUNK: ".chunk", Kind.WINDOW: ".window"}
+_SUFFIX = {Kind.CHUNK: ".chunk", Kind.WINDOW: ".window", Kind.RESPONSE: ".response"}
 _KIND_OF_SUFFIX = {suffix: kind for kind, suffix in _SUFFIX.items()}
 _TEMP_SUFFIX = ".tmp"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
