@@ -6,7 +6,7 @@ tokens of every layer) live only in host RAM for minutes. ``persist_window_state
 turns on V4-style storage, where window states go to SSD too, for experiments.
 Stored Responses API responses (the text of a conversation, not its cache) stay in RAM
 for the window's minutes and on SSD for ``response_retention_hours`` after their last
-use (a ``previous_response_id`` that names one is a use).
+use (a read from the store is a use).
 """
 
 from __future__ import annotations
