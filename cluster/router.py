@@ -922,35 +922,47 @@ class Router:
     async def _answer_chunks(self, index: int, stream, request: api.GenerationRequest, rid: str, chat: bool,
                              start: float, totals: dict):
         """One answer's chunks (choice ``index``); its tokens counted in ``totals``."""
-        model, tokens = self.config.model_name, []
-        answer = api.ChatAnswer(request, self.think_end, self.dsml, self.tokenizer.token_bytes) if chat else None
-        completion = api.CompletionLogprobs(self.tokenizer.token_bytes) \
-            if not chat and request.params.logprobs is not None else None
+        model = self.config.model_name
+        events = self._tokens(stream, totals, start, prompt=index == 0)
         if chat:
             # No content yet: an answer that is only calls keeps content null, as unstreamed.
             yield api.chat_chunk(rid, model, {"role": "assistant"}, None, index=index)
-        async for event in stream:
-            if "cached_tokens" in event and index == 0:
-                totals.update(cached=event["cached_tokens"], prompt=event["prompt_tokens"],
-                              ttft=time.perf_counter() - start)
-            tokens.append(event["token_id"])
-            totals["tokens"] += 1
-            finish = event["finish_reason"]
-            logprob, top = event.get("logprob"), event.get("top_logprobs", ())
-            if answer is None:
-                logprobs = completion.entry(event["token_id"], event["text"], logprob, top) \
-                    if completion is not None and logprob is not None else None
-                yield api.completion_chunk(rid, model, event["text"], finish, logprobs=logprobs, index=index)
-            else:
-                deltas = answer.push(event["token_id"], event["text"], logprob, top) + \
-                    (answer.finish() if finish else [])
-                finish = answer.finish_reason(finish) if finish else None
+            answer = api.ChatAnswer(request, self.think_end, self.dsml, self.tokenizer.token_bytes)
+            async for deltas, finish in self._chat_deltas(events, answer):
                 for chunk in api.chat_chunks(rid, model, deltas, finish, index):
                     yield chunk
-            if finish:
-                break  # the request's last token: do not wait for the stream to close
-        if request.messages:
-            self._remember(answer, tokens)
+            return
+        completion = api.CompletionLogprobs(self.tokenizer.token_bytes) if request.params.logprobs is not None else None
+        async for event in events:
+            logprob = event.get("logprob")
+            logprobs = completion.entry(event["token_id"], event["text"], logprob, event.get("top_logprobs", ())) \
+                if completion is not None and logprob is not None else None
+            yield api.completion_chunk(rid, model, event["text"], event["finish_reason"], logprobs=logprobs,
+                                       index=index)
+
+    @staticmethod
+    async def _tokens(stream, totals: dict, start: float, prompt: bool = True):
+        """An answer's token events, up to its last (not waiting for the stream to close),
+        counted in ``totals`` (and, with ``prompt``, the prompt's tokens and the TTFT)."""
+        async for event in stream:
+            if prompt and "cached_tokens" in event:
+                totals.update(cached=event["cached_tokens"], prompt=event["prompt_tokens"],
+                              ttft=time.perf_counter() - start)
+            totals["tokens"] += 1
+            yield event
+            if event["finish_reason"]:
+                break
+
+    async def _chat_deltas(self, events, answer: api.ChatAnswer):
+        """A chat answer token by token: ``(deltas, finish)``, ``finish`` its finish
+        reason at the last token (else None); then its ids are remembered for the next turn."""
+        tokens = []
+        async for event in events:
+            tokens.append(event["token_id"])
+            deltas = answer.push(event["token_id"], event["text"], event.get("logprob"), event.get("top_logprobs", ()))
+            finish = event["finish_reason"]
+            yield (deltas + answer.finish(), answer.finish_reason(finish)) if finish else (deltas, None)
+        self._remember(answer, tokens)
 
     async def _response_events(self, stream, request: api.GenerationRequest,
                                responses: responses_api.ParsedResponses, rid: str, start: float):
@@ -958,34 +970,25 @@ class Router:
         (``response.failed`` if the decoder fails under it)."""
         builder = responses.builder(rid, self.config.model_name)
         answer = api.ChatAnswer(request, self.think_end, self.dsml, self.tokenizer.token_bytes)
-        tokens, cached, prompt, ttft, finish = [], 0, 0, None, "stop"
+        totals, finish = {"prompt": 0, "cached": 0, "tokens": 0, "ttft": None}, "stop"
         for item in builder.start():
             yield responses_api.sse(item)
         try:
-            async for event in stream:
-                if "cached_tokens" in event:
-                    cached, prompt, ttft = event["cached_tokens"], event["prompt_tokens"], time.perf_counter() - start
-                tokens.append(event["token_id"])
-                deltas = answer.push(event["token_id"], event["text"], event.get("logprob"),
-                                     event.get("top_logprobs", ()))
-                if event["finish_reason"]:
-                    deltas += answer.finish()
+            async for deltas, done in self._chat_deltas(self._tokens(stream, totals, start), answer):
                 for item in builder.push(deltas):
                     yield responses_api.sse(item)
-                if event["finish_reason"]:
-                    finish = answer.finish_reason(event["finish_reason"])
-                    break  # the request's last token: do not wait for the stream to close
+                finish = done or finish
         except Exception as error:  # noqa: BLE001 (passed on to the client)
             self.metrics.record("responses", "503")
             failed = builder.failed(_generation_failed(error))
             await self._keep_response(responses, failed["response"])
             yield responses_api.sse(failed)
             return
-        self._remember(answer, tokens)
+        prompt, cached, generated = totals["prompt"], totals["cached"], totals["tokens"]
         # Counted and kept before the last event: a client may close the stream once it
         # has it, and send the next turn naming it.
-        await self._count("responses", "200", prompt, cached, len(tokens), ttft, time.perf_counter() - start)
-        events = builder.finish(finish, responses_api.usage(prompt, len(tokens), cached, answer.reasoning_tokens))
+        await self._count("responses", "200", prompt, cached, generated, totals["ttft"], time.perf_counter() - start)
+        events = builder.finish(finish, responses_api.usage(prompt, generated, cached, answer.reasoning_tokens))
         await self._keep_response(responses, events[-1]["response"])
         for item in events:
             yield responses_api.sse(item)
