@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -136,6 +137,15 @@ async def _http_error(request: Request, error: HTTPException):
         message = str(error.detail)
     body = api.ApiError(error.status_code, message).body()
     return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _bad_query(request: Request, error: RequestValidationError):
+    """A query parameter of the wrong type (``?limit=x``): a 400 naming it, in the OpenAI shape."""
+    first = error.errors()[0]
+    param = str(first["loc"][-1]) if first.get("loc") else None
+    body = api.ApiError(400, f"{param}: {first['msg']}", param).body()
+    return JSONResponse(body, status_code=400)
 
 
 @fastapi_app.exception_handler(Exception)

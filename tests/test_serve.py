@@ -214,6 +214,20 @@ def test_the_responses_api_runs_a_cached_tool_loop_through_the_sdk(client):
     assert isinstance(parsed.output_parsed, Point), parsed.output_text
 
 
+@pytest.mark.parametrize("path, status, param", [
+    ("/v1/responses/resp_nope", 404, None),
+    ("/v1/responses/resp_nope/input_items", 404, None),
+    ("/v1/responses/resp_nope/input_items?limit=x", 400, "limit"),
+])
+def test_stored_response_lookups_answer_4xx_in_the_openai_shape(app, path, status, param):
+    try:
+        with urllib.request.urlopen(f"{app}{path}", timeout=60) as response:
+            got, payload = response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        got, payload = error.code, json.loads(error.read())
+    assert got == status and payload["error"]["param"] == param and payload["error"]["message"]
+
+
 def test_a_stored_response_is_continued_retrieved_and_deleted(client):
     """``store`` (the default): a turn that names the previous response
     (``previous_response_id``) and sends only the call's output is the turn that sends
