@@ -1005,12 +1005,18 @@ class Router:
 
     # ------------------------------------------------------------------ stored responses
     async def _node_store(self):
-        """This node's store actor (created on first use, as the replicas' is)."""
+        """This node's store actor (created on first use, as the replicas' is), or None
+        while Ray cannot give it (then only the records kept in memory are read)."""
         if self._store is None:
+            from ray.exceptions import RayError
+
             from actors.store import node_store
 
-            self._store = await asyncio.to_thread(node_store, self.config.store_settings(),
-                                                  self.naming.fingerprint.digest)
+            try:
+                self._store = await asyncio.to_thread(node_store, self.config.store_settings(),
+                                                      self.naming.fingerprint.digest)
+            except RayError as error:
+                logger.warning("no store actor on this node for stored responses: %s", error)
         return self._store
 
     async def _continued(self, data: dict) -> list[dict]:
@@ -1043,6 +1049,8 @@ class Router:
 
     @staticmethod
     async def _read_record(store, key) -> dict | None:
+        if store is None:
+            return None
         return responses_api.read_record((await asyncio.to_thread(store.get_many, [key]))[0])
 
     def _peers(self, key) -> list:
@@ -1055,7 +1063,10 @@ class Router:
         located = self.index.locate([key], time.time()) if self.index is not None else None
         here = ray.get_runtime_context().get_node_id()
         nodes = {location.node_id for location in (located or [()])[0]} - {here, SHARED_NODE}
-        return [peer for peer in map(peer_store, sorted(nodes)) if peer is not None]
+        try:
+            return [peer for peer in map(peer_store, sorted(nodes)) if peer is not None]
+        except ray.exceptions.RayError:  # Ray in trouble: the stores it cannot reach hold nothing
+            return []
 
     async def _keep_response(self, responses: responses_api.ParsedResponses, response: dict) -> None:
         """Store a finished response with its input (when asked to) in this node's store,
@@ -1069,11 +1080,15 @@ class Router:
         payload = responses_api.encoded(stored)
         self.kept.put(rid, stored, len(payload))
         store = await self._node_store()
+        if store is None:
+            return
 
         async def put() -> None:
-            if not await store.put_now([(response_key(rid), payload)]):
-                logger.warning("response %s: the store did not confirm it in time", rid)
-            self._keeping.pop(rid, None)
+            try:
+                if not await store.put_now([(response_key(rid), payload)]):
+                    logger.warning("response %s: the store did not confirm it in time", rid)
+            finally:
+                self._keeping.pop(rid, None)
 
         self._keeping[rid] = asyncio.ensure_future(put())
 
@@ -1086,4 +1101,4 @@ class Router:
         if rid in self._keeping:  # (its store must not land after the delete)
             await self._keeping[rid]
         stores = [await self._node_store(), *await asyncio.to_thread(self._peers, key)]
-        await asyncio.gather(*(asyncio.to_thread(store.remove, key) for store in stores))
+        await asyncio.gather(*(asyncio.to_thread(store.remove, key) for store in stores if store is not None))
