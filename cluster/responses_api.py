@@ -14,8 +14,10 @@ stream's events; the unstreamed response is the same builder's final object.
 Stored responses: with ``store`` (the default where the server keeps responses), the
 router keeps each response with the input it answered (:func:`record`), in the node's
 store; ``previous_response_id`` names one, whose input and output come before this
-request's input (:func:`history`). ``conversation`` (the Conversations API) is refused
-by name. No I/O here: the router reads and writes the records.
+request's input (:func:`history`). ``conversation`` names a conversation
+(:mod:`cluster.conversations_api`): its items come before the input, and the input and
+the output join it. No I/O here: the router reads and writes the records
+(:mod:`cluster.records`).
 """
 
 from __future__ import annotations
@@ -162,6 +164,10 @@ class _Text(_Schema):
     verbosity: Literal["medium"] | None = None  # the default; low / high are not a dial this model has
 
 
+class _ConversationRef(_Schema):
+    id: str = Field(min_length=1)
+
+
 class _Reasoning(_Schema):
     effort: str | None = None
     summary: None = None  # the reasoning itself is returned (``content``), never a summary
@@ -189,6 +195,7 @@ class ResponsesRequest(_Schema):
     stream: StrictBool = False
     store: StrictBool | None = None
     previous_response_id: str | None = Field(default=None, min_length=1)
+    conversation: Annotated[str, Field(min_length=1)] | _ConversationRef | None = None
     background: StrictBool | None = None
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
@@ -208,6 +215,8 @@ class ParsedResponses:
     origins: tuple[str, ...]  # where each chat message came from: "instructions", "input[3]", ...
     store: bool = False  # keep the response (:func:`record`)
     input_items: tuple[dict, ...] = ()  # what it answers: the previous response's items, then this input
+    conversation: str | None = None  # the conversation it continues, which its input and output join
+    new_items: tuple[dict, ...] = ()  # this request's input, as a conversation keeps it
 
     def renamed(self, error: ApiError) -> ApiError:
         return renamed(error, self.origins)
@@ -231,16 +240,22 @@ def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: i
     """The request, or an :class:`ApiError` naming the Responses parameter at fault.
 
     ``keeps``: the server keeps responses (``store`` defaults to true, and
-    ``previous_response_id`` may name one); ``history``: the items of the response it
-    names (:func:`history`), read by the caller."""
+    ``previous_response_id`` or ``conversation`` may name one); ``history``: the items of
+    the response or conversation it names (:func:`history`, or the conversation's
+    items), read by the caller."""
     request = _validated(ResponsesRequest, data, tags=_TAGS)
     if not keeps and request.store:
         raise ApiError(400, "store: this server keeps no responses (send store: false or leave it out, and send "
                             "the whole conversation as input each turn)", "store")
-    if not keeps and request.previous_response_id is not None:
-        raise ApiError(400, "previous_response_id: this server keeps no responses (send the whole conversation as "
-                            "input each turn)", "previous_response_id")
-    earlier = _stored_items(history)
+    for name in ("previous_response_id", "conversation"):
+        if not keeps and getattr(request, name) is not None:
+            raise ApiError(400, f"{name}: this server keeps no responses or conversations (send the whole "
+                                "conversation as input each turn)", name)
+    if request.conversation is not None and request.previous_response_id is not None:
+        raise ApiError(400, "conversation: cannot be used with previous_response_id (name one of them)",
+                       "conversation")
+    conversation = conversation_named(data)
+    earlier = _stored_items(history, "conversation" if conversation else "previous_response_id")
     if request.background:
         raise ApiError(400, "background: responses run in the foreground here (leave it out)", "background")
     effort = request.reasoning.effort if request.reasoning else None
@@ -269,9 +284,19 @@ def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: i
             "text": {"format": (data.get("text") or {}).get("format") or {"type": "text"}},
             "reasoning": {"effort": effort, "summary": None},
             "store": store, "background": False, "truncation": "disabled",
-            "previous_response_id": request.previous_response_id}
-    return ParsedResponses(generation, echo, logprobs, tuple(origins), store,
-                           (*history, *_identified(data["input"], request.input)) if store else ())
+            "previous_response_id": request.previous_response_id,
+            "conversation": {"id": conversation} if conversation else None}
+    new_items = identified(data["input"], request.input)
+    return ParsedResponses(generation, echo, logprobs, tuple(origins), store, (*history, *new_items) if store else (),
+                           conversation, tuple(new_items) if conversation else ())
+
+
+def conversation_named(data: dict) -> str | None:
+    """The id of the conversation a Responses request names (a string, or an object
+    with its id), read before the request is parsed; None if it names none."""
+    named = data.get("conversation") if isinstance(data, dict) else None
+    named = named.get("id") if isinstance(named, dict) else named
+    return named if isinstance(named, str) and named else None
 
 
 def renamed(error: ApiError, origins: Sequence[str]) -> ApiError:
@@ -399,7 +424,7 @@ def _response_format(request: ResponsesRequest) -> dict | None:
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
-def _identified(raw: str | list, items: str | list[_Item]) -> list[dict]:
+def identified(raw: str | list, items: str | list[_Item]) -> list[dict]:
     """This request's input as stored: the items as sent, each with an id (an input
     string is one user message)."""
     if isinstance(raw, str):
@@ -408,12 +433,13 @@ def _identified(raw: str | list, items: str | list[_Item]) -> list[dict]:
             for sent, item in zip(raw, items)]
 
 
-def _stored_items(history: Sequence[dict]) -> list[_Item]:
+def _stored_items(history: Sequence[dict], param: str) -> list[_Item]:
     try:
         return _ITEMS.validate_python(list(history))
-    except ValidationError:  # read_record checked them: a record written by another version
-        raise ApiError(400, "previous_response_id: that response's items cannot be read by this server",
-                       "previous_response_id", code="previous_response_not_found") from None
+    except ValidationError:  # checked when read: a record written by another version
+        what = param.removeprefix("previous_").removesuffix("_id")  # response, conversation
+        raise ApiError(400, f"{param}: that {what}'s items cannot be read by this server", param,
+                       code=f"{param.removesuffix('_id')}_not_found") from None
 
 
 def record(parsed: ParsedResponses, response: dict) -> dict:
@@ -482,31 +508,37 @@ def history(stored: dict) -> list[dict]:
 
 
 def input_items_page(stored: dict, after: str | None = None, limit: int = 20, order: str = "desc") -> dict:
-    """``GET /v1/responses/{id}/input_items``: a page of the input a response answered
-    (``order`` ``desc`` is newest first; ``after`` an item id of the previous page)."""
+    """``GET /v1/responses/{id}/input_items``: a page of the input a response answered."""
+    return items_page(stored["input"], after, limit, order, "in this response")
+
+
+def items_page(items: Sequence[dict], after: str | None, limit: int, order: str, where: str) -> dict:
+    """A page of ``items`` as OpenAI lists them (``order`` ``desc`` is newest first;
+    ``after`` an item id of the previous page; ``where`` names the list in an error)."""
     if order not in ("asc", "desc"):
         raise ApiError(400, "order must be 'asc' or 'desc'", "order")
     if not 1 <= limit <= 100:
         raise ApiError(400, "limit must be between 1 and 100", "limit")
-    items = [_listed(item) for item in stored["input"]]
+    items = [listed(item) for item in items]
     if order == "desc":
         items.reverse()
     if after is not None:
         ids = [item.get("id") for item in items]
         if after not in ids:
-            raise ApiError(400, f"after: no input item {after!r} in this response", "after")
+            raise ApiError(400, f"after: no item {after!r} {where}", "after")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
-def _listed(item: dict) -> dict:
-    """An input item as OpenAI lists it: a message's text content as one part."""
+def listed(item: dict) -> dict:
+    """An item as OpenAI lists it: with its status, a message's text content as one part."""
+    item = {**item, "status": item.get("status") or "completed"}
     if item.get("type") == "message" and isinstance(item.get("content"), str):
         part = {"type": "output_text", "text": item["content"], "annotations": []} if item["role"] == "assistant" \
             else {"type": "input_text", "text": item["content"]}
-        return {**item, "content": [part], "status": item.get("status") or "completed"}
+        return {**item, "content": [part]}
     return item
 
 

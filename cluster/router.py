@@ -19,9 +19,11 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
@@ -31,11 +33,12 @@ from starlette.exceptions import HTTPException
 
 from actors.replica import ModelIdentity, prompt_gil_handoff
 from actors.state import StoringConversation
-from actors.store import STORE_TIMEOUT_S
+from actors.store import STORE_TIMEOUT_S, node_store, peer_store
+from cluster import conversations_api, responses_api
 from cluster import openai_api as api
-from cluster import responses_api
 from cluster.config import AppConfig
 from cluster.images import ImageLimits, read_image
+from cluster.records import Records
 from cluster.routing import DecoderLoad, known_replicas
 from model.runtime.grammar import GrammarCompiler, GrammarError
 from storage.keys import ObjectKey
@@ -199,6 +202,17 @@ class KeptAt:
     node: str
 
 
+def _this_node() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def _no_include(include: list[str] | None) -> None:
+    if include:
+        raise api.ApiError(400, "include: no extra item fields are kept here (leave it out)", "include")
+
+
 def _answer_key(reasoning: str | None, content: str, calls) -> tuple:
     """What identifies an answer in a returning history: its reasoning, text and calls."""
     return reasoning, content, tuple((call.name, call.arguments) for call in calls)
@@ -267,11 +281,10 @@ class Router:
         self.think_end = self.tokenizer.special.think_end
         self.dsml = self.tokenizer.special.dsml  # a special token: its text is put back for the parser
         self.grammars: GrammarCompiler | None = None  # built at the first constrained request
-        self._store = None  # this node's store actor (stored responses), reached at the first use
-        # Stored responses this router wrote lately (their records, up to 64 MiB of JSON):
-        # a next turn naming one reads it here, and need not wait for its store.
-        self.kept = responses_api.RecentRecords(64 << 20)
-        self._keeping: dict[str, asyncio.Task] = {}  # responses whose store has not answered yet
+        # Stored responses and conversations (this node's store actor, reached at the first
+        # use; the responses this router wrote lately, up to 64 MiB of JSON, in memory).
+        self.records = Records(partial(node_store, config.store_settings(), self.naming.fingerprint.digest),
+                               peer_store, _this_node, self.index, self.link)
         self.engram, self.hasher = None, None
         if config.engram_shards:
             import ray
@@ -649,7 +662,7 @@ class Router:
         try:
             self._authorize(request)
             await self._stored_response(rid)
-            await self._forget_response(rid)
+            await self.records.forget_response(rid)
         except api.ApiError as error:
             return JSONResponse(error.body(), status_code=error.status)
         return {"id": rid, "object": "response", "deleted": True}
@@ -751,7 +764,11 @@ class Router:
             builder.push(result["deltas"])
             body = builder.finish(result["finish"], responses_api.usage(
                 len(tokens), generated, result["cached"], result["reasoning_tokens"]))[-1]["response"]
-            await self._keep_response(responses, body)
+            try:
+                await self._answered_response(responses, body)
+            except api.ApiError as error:  # its conversation could not take it
+                self.metrics.record(endpoint, str(error.status))
+                return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
         elif chat:
             body = api.chat_response(rid, self.config.model_name, [
                 api.chat_choice(i, r["content"], r["reasoning"], r["finish"], r["calls"], r["logprobs"])
@@ -991,7 +1008,7 @@ class Router:
         except Exception as error:  # noqa: BLE001 (passed on to the client)
             self.metrics.record("responses", "503")
             failed = builder.failed(_generation_failed(error))
-            await self._keep_response(responses, failed["response"])
+            await self._answered_response(responses, failed["response"], joins=False)
             yield responses_api.sse(failed)
             return
         prompt, cached, generated = totals["prompt"], totals["cached"], totals["tokens"]
@@ -999,46 +1016,29 @@ class Router:
         # has it, and send the next turn naming it.
         await self._count("responses", "200", prompt, cached, generated, totals["ttft"], time.perf_counter() - start)
         events = builder.finish(finish, responses_api.usage(prompt, generated, cached, answer.reasoning_tokens))
-        await self._keep_response(responses, events[-1]["response"])
+        try:
+            await self._answered_response(responses, events[-1]["response"])
+        except api.ApiError as error:  # its conversation could not take it: the response failed
+            events[-1] = builder.failed(error)
         for item in events:
             yield responses_api.sse(item)
 
     # ------------------------------------------------------------------ stored responses
-    async def _node_store(self):
-        """This node's store actor (created on first use, as the replicas' is), or None
-        while Ray cannot give it (then only the records kept in memory are read)."""
-        if self._store is None:
-            from ray.exceptions import RayError
-
-            from actors.store import node_store
-
-            try:
-                self._store = await asyncio.to_thread(node_store, self.config.store_settings(),
-                                                      self.naming.fingerprint.digest)
-            except RayError as error:
-                logger.warning("no store actor on this node for stored responses: %s", error)
-        return self._store
-
     async def _continued(self, data: dict) -> list[dict]:
-        """The items of the response a Responses request names as ``previous_response_id``
-        (none when it names none, or the server keeps none: parsing refuses that)."""
-        previous = data.get("previous_response_id") if isinstance(data, dict) else None
-        if not isinstance(previous, str) or not previous or not self.config.store_responses:
+        """The items a Responses request continues: those of the response it names as
+        ``previous_response_id``, or of the ``conversation`` it names (none when it names
+        neither, or the server keeps none: parsing refuses that)."""
+        if not isinstance(data, dict) or not self.config.store_responses:
             return []
-        return responses_api.history(await self._stored_response(previous, "previous_response_id"))
+        previous = data.get("previous_response_id")
+        if isinstance(previous, str) and previous:
+            return responses_api.history(await self._stored_response(previous, "previous_response_id"))
+        cid = responses_api.conversation_named(data)
+        return [] if cid is None else (await self._conversation(cid, "conversation"))["items"]
 
     async def _stored_response(self, rid: str, param: str | None = None) -> dict:
-        """A stored response's record: the ones this router kept lately, then this node's
-        store, then the nodes the cluster index says hold it; a 404 (or, for ``param``, a
-        400 naming it) if none has it."""
-        from storage.keys import response_key
-
-        key, found = response_key(rid), None
-        if self.config.store_responses:
-            found = self.kept.get(rid) or await self._read_record(await self._node_store(), key)
-            for peer in [] if found is not None else await asyncio.to_thread(self._peers, key):
-                if (found := await self._read_record(peer, key)) is not None:
-                    break
+        """A stored response's record; a 404 (or, for ``param``, a 400 naming it) if no node has it."""
+        found = await self.records.response(rid) if self.config.store_responses else None
         if found is None:
             if param is not None:
                 raise api.ApiError(400, f"{param}: no stored response has id {rid!r} (it was not stored, was "
@@ -1047,58 +1047,116 @@ class Router:
             raise api.ApiError(404, f"No response found with id {rid!r}", code="not_found")
         return found
 
-    @staticmethod
-    async def _read_record(store, key) -> dict | None:
-        if store is None:
-            return None
-        return responses_api.read_record((await asyncio.to_thread(store.get_many, [key]))[0])
+    async def _answered_response(self, responses: responses_api.ParsedResponses, response: dict,
+                                 joins: bool = True) -> None:
+        """Keep a finished response (when asked to), and add its input and output to the
+        conversation it names (unless it failed: ``joins``), before the client has the
+        whole answer; a conversation that cannot take it is an :class:`ApiError`."""
+        if responses.store:
+            await self.records.keep_response(response["id"], responses_api.record(responses, response))
+        if joins and responses.conversation is not None:
+            joined = [*responses.new_items, *response["output"]]
+            await self._change_conversation(responses.conversation,
+                                            lambda record: conversations_api.with_items(record, joined))
 
-    def _peers(self, key) -> list:
-        """The store actors of the other nodes the cluster index says hold ``key``."""
-        import ray
+    # ------------------------------------------------------------------ conversations
+    async def _conversation(self, cid: str, param: str | None = None) -> dict:
+        found = await self.records.conversation(cid)
+        if found is None:
+            raise conversations_api.not_found(cid, param)
+        return found
 
-        from actors.store import peer_store
-        from storage.index import SHARED_NODE
+    async def _change_conversation(self, cid: str, change) -> dict:
+        """Apply ``change`` (a record to its next version) to a conversation; a 404 if there is none."""
+        record = await self.records.change_conversation(cid, change)
+        if record is None:
+            raise conversations_api.not_found(cid)
+        return record
 
-        located = self.index.locate([key], time.time()) if self.index is not None else None
-        here = ray.get_runtime_context().get_node_id()
-        nodes = {location.node_id for location in (located or [()])[0]} - {here, SHARED_NODE}
+    async def _conversations_call(self, request: Request, call):
+        """One Conversations API call: ``call()``'s body, or its error in the OpenAI shape."""
         try:
-            return [peer for peer in map(peer_store, sorted(nodes)) if peer is not None]
-        except ray.exceptions.RayError:  # Ray in trouble: the stores it cannot reach hold nothing
-            return []
+            self._authorize(request)
+            if not self.config.store_responses:
+                raise api.ApiError(400, "this server keeps no conversations (store_responses is off)",
+                                   code="conversations_disabled")
+            return await call()
+        except api.ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
-    async def _keep_response(self, responses: responses_api.ParsedResponses, response: dict) -> None:
-        """Store a finished response with its input (when asked to) in this node's store,
-        and index it there, while the client gets it: this router answers a next turn
-        naming it from memory; any router finds it in the store once it has answered."""
-        if not responses.store:
-            return
-        from storage.keys import response_key
+    async def _json_body(self, request: Request) -> dict:
+        data = api.parse_json(await self._body(request))
+        if not isinstance(data, dict):
+            raise api.ApiError(400, "the request body must be a JSON object")
+        return data
 
-        rid, stored = response["id"], responses_api.record(responses, response)
-        payload = responses_api.encoded(stored)
-        self.kept.put(rid, stored, len(payload))
-        store = await self._node_store()
-        if store is None:
-            return
+    @fastapi_app.post("/v1/conversations")
+    async def create_conversation(self, request: Request):
+        async def call():
+            record = conversations_api.created(await self._json_body(request))
+            await self.records.write_conversation(record)
+            return record["conversation"]
 
-        async def put() -> None:
-            try:
-                if not await store.put_now([(response_key(rid), payload)]):
-                    logger.warning("response %s: the store did not confirm it in time", rid)
-            finally:
-                self._keeping.pop(rid, None)
+        return await self._conversations_call(request, call)
 
-        self._keeping[rid] = asyncio.ensure_future(put())
+    @fastapi_app.get("/v1/conversations/{cid}")
+    async def get_conversation(self, cid: str, request: Request):
+        async def call():
+            return (await self._conversation(cid))["conversation"]
 
-    async def _forget_response(self, rid: str) -> None:
-        """Delete a stored response from this node's store and every other that holds it."""
-        from storage.keys import response_key
+        return await self._conversations_call(request, call)
 
-        key = response_key(rid)
-        self.kept.pop(rid)
-        if rid in self._keeping:  # (its store must not land after the delete)
-            await self._keeping[rid]
-        stores = [await self._node_store(), *await asyncio.to_thread(self._peers, key)]
-        await asyncio.gather(*(asyncio.to_thread(store.remove, key) for store in stores if store is not None))
+    @fastapi_app.post("/v1/conversations/{cid}")
+    async def update_conversation(self, cid: str, request: Request):
+        async def call():
+            data = await self._json_body(request)
+            return (await self._change_conversation(
+                cid, lambda record: conversations_api.updated(record, data)))["conversation"]
+
+        return await self._conversations_call(request, call)
+
+    @fastapi_app.delete("/v1/conversations/{cid}")
+    async def delete_conversation(self, cid: str, request: Request):
+        async def call():
+            if not await self.records.forget_conversation(cid):
+                raise conversations_api.not_found(cid)
+            return conversations_api.deleted(cid)
+
+        return await self._conversations_call(request, call)
+
+    @fastapi_app.post("/v1/conversations/{cid}/items")
+    async def add_conversation_items(self, cid: str, request: Request, include: Annotated[list[str] | None, Query()] = None):
+        async def call():
+            _no_include(include)
+            items = conversations_api.new_items(await self._json_body(request))
+            await self._change_conversation(cid, lambda record: conversations_api.with_items(record, items))
+            return conversations_api.added(items)
+
+        return await self._conversations_call(request, call)
+
+    @fastapi_app.get("/v1/conversations/{cid}/items")
+    async def conversation_items(self, cid: str, request: Request, after: str | None = None, limit: int = 20,
+                                 order: str = "desc", include: Annotated[list[str] | None, Query()] = None):
+        async def call():
+            _no_include(include)
+            return conversations_api.page(await self._conversation(cid), after, limit, order)
+
+        return await self._conversations_call(request, call)
+
+    @fastapi_app.get("/v1/conversations/{cid}/items/{item_id}")
+    async def conversation_item(self, cid: str, item_id: str, request: Request,
+                                include: Annotated[list[str] | None, Query()] = None):
+        async def call():
+            _no_include(include)
+            return conversations_api.item(await self._conversation(cid), item_id)
+
+        return await self._conversations_call(request, call)
+
+    @fastapi_app.delete("/v1/conversations/{cid}/items/{item_id}")
+    async def delete_conversation_item(self, cid: str, item_id: str, request: Request):
+        async def call():
+            return (await self._change_conversation(
+                cid, lambda record: conversations_api.without_item(record, item_id)))["conversation"]
+
+        return await self._conversations_call(request, call)
+

@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     CHUNK = 1  # long-range cache bytes of one chunk of tokens
     WINDOW = 2  # window state of a conversation's tail
     RESPONSE = 3  # a stored Responses API response and its input (JSON; cluster/responses_api.py)
+    CONVERSATION = 4  # a Conversations API conversation: its items and metadata (JSON; cluster/conversations_api.py)
 
 
 @dataclass(frozen=True)
@@ -174,3 +175,9 @@ def response_key(response_id: str) -> ObjectKey:
     """Key of a stored response (``POST /v1/responses`` with ``store``), by its id."""
     digest = hashlib.blake2b(response_id.encode(), digest_size=DIGEST_BYTES, person=b"v41-response").digest()
     return ObjectKey(Kind.RESPONSE, digest)
+
+
+def conversation_key(conversation_id: str) -> ObjectKey:
+    """Key of a conversation (``POST /v1/conversations``), by its id."""
+    digest = hashlib.blake2b(conversation_id.encode(), digest_size=DIGEST_BYTES, person=b"v41-conversation").digest()
+    return ObjectKey(Kind.CONVERSATION, digest)

@@ -4,9 +4,9 @@ V4.1 keeps a conversation's long-range chunks for 72 hours after their last use,
 host RAM while it is hot and on the node's SSD after; window states (the last 128
 tokens of every layer) live only in host RAM for minutes. ``persist_window_states``
 turns on V4-style storage, where window states go to SSD too, for experiments.
-Stored Responses API responses (the text of a conversation, not its cache) stay in RAM
-for the window's minutes and on SSD for ``response_retention_hours`` after their last
-use (a read from the store is a use).
+Stored Responses API responses and Conversations API conversations (the text of a
+conversation, not its cache) stay in RAM for the window's minutes and on SSD for
+``response_retention_hours`` after their last use (a read from the store is a use).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class RetentionPolicy:
         """Seconds an object of ``kind`` stays in ``tier`` after its last use; None: never stored there."""
         if kind is Kind.CHUNK or tier is TierName.RAM:
             return self.ram_retention_s(kind)
-        if kind is Kind.RESPONSE:
+        if kind in (Kind.RESPONSE, Kind.CONVERSATION):
             return self.response_retention_hours * 3600.0
         return self.chunk_retention_hours * 3600.0 if self.persist_window_states else None
 

@@ -170,8 +170,10 @@ class TieredStore:
         policy persists them. The bytes are copied only if they are not ``bytes``.
         ``replace``: the key now stands for other bytes (the retention lab grows an
         extent under one key), so the SSD rewrites a copy it holds instead of keeping it.
+        A conversation's key always stands for its newest version: always replaced.
         """
         data = payload if isinstance(payload, bytes) else bytes(payload)
+        replace = replace or key.kind is Kind.CONVERSATION
         if self._ram.put(key, data) and self._publisher is not None:
             self._publish(key, self._here[_RAM])
         self._write_behind(key, data, to_redis=True, replace=replace)

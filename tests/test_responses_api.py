@@ -84,7 +84,7 @@ def test_text_format_logprobs_and_plain_input() -> None:
 @pytest.mark.parametrize("body, param, says", [
     ({"store": True}, "store", "keeps no responses"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
-    ({"conversation": "conv_1"}, "conversation", "not supported"),
+    ({"conversation": "conv_1"}, "conversation", "keeps no responses or conversations"),
     ({"tools": [{"type": "web_search"}]}, "tools", "tools[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "input[0]"),
     ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": [

@@ -1,6 +1,6 @@
 """A full stop and start of the app on the same cache directory: a returning turn reads
 every chunk it stored (its window state lived in RAM only: the encoder replays it), a
-stored Responses API response is still there to retrieve and continue, and damaged SSD
+stored Responses API response and a conversation are still there to read and continue, and damaged SSD
 objects read as misses, never as wrong bytes."""
 
 from __future__ import annotations
@@ -38,7 +38,12 @@ def test_a_full_restart_keeps_every_stored_chunk_and_damage_reads_as_a_miss(tmp_
         conversation(client, 1)
         conversation(client, 2)  # stores every whole chunk of turn 2's prompt
         kept = client.responses.create(model=MODEL, input="def main():\n", max_output_tokens=4, temperature=0)
-        wait_until(lambda: stored_objects() > 0 and chunk_files(tmp_path, "response"), what="the writes")
+        talk = client.conversations.create(items=[{"role": "user", "content": "def main():\n"}])
+        joined = client.responses.create(model=MODEL, conversation=talk.id, input="    pass\n", max_output_tokens=2,
+                                         temperature=0)
+        items = [item.id for item in client.conversations.items.list(talk.id, order="asc").data]
+        wait_until(lambda: stored_objects() > 0 and chunk_files(tmp_path, "response")
+                   and chunk_files(tmp_path, "conversation"), what="the writes")
         stored = len(chunk_files(tmp_path))
     assert [path.name for path in tmp_path.iterdir() if path.name.startswith("ssd-")] == ["ssd-node-0"]
 
@@ -55,8 +60,14 @@ def test_a_full_restart_keeps_every_stored_chunk_and_damage_reads_as_a_miss(tmp_
                                             max_output_tokens=2, temperature=0)
         assert continued.previous_response_id == kept.id
         assert continued.usage.input_tokens > kept.usage.input_tokens + kept.usage.output_tokens
-    files = chunk_files(tmp_path) + chunk_files(tmp_path, "response")
-    assert len(files) >= stored + 2
+        # The conversation too: its items, and the next turn naming it reads them.
+        assert [item.id for item in client.conversations.items.list(talk.id, order="asc").data] == items
+        assert len(items) == 2 + len(joined.output)
+        later = client.responses.create(model=MODEL, conversation=talk.id, input="x", max_output_tokens=2,
+                                        temperature=0)
+        assert later.usage.input_tokens > joined.usage.input_tokens + joined.usage.output_tokens
+    files = chunk_files(tmp_path) + chunk_files(tmp_path, "response") + chunk_files(tmp_path, "conversation")
+    assert len(files) >= stored + 3
 
     # Damage every chunk file: a bit flipped in half of them, the other half torn.
     for number, path in enumerate(files):
@@ -75,3 +86,5 @@ def test_a_full_restart_keeps_every_stored_chunk_and_damage_reads_as_a_miss(tmp_
         for rid in (kept.id, continued.id):
             with pytest.raises(openai.NotFoundError):
                 client.responses.retrieve(rid)
+        with pytest.raises(openai.NotFoundError):
+            client.conversations.retrieve(talk.id)

@@ -95,5 +95,24 @@ def test_pools_and_engram_shard_on_different_raylets(cluster, tmp_path):
         assert continued.usage.input_tokens > first.usage.prompt_tokens
         client.responses.delete("resp_elsewhere")
         assert ray.get(store.get_many.remote([key])) == [None]
+
+        # A conversation held by the other raylet's store: the router changes it (a new
+        # version in its own node's store) and removes the older copy there; a stale copy
+        # that reappears there (a node that missed the change) loses to the newer version.
+        from storage.keys import conversation_key
+
+        talk = {"conversation": {"id": "conv_elsewhere", "object": "conversation", "created_at": 0, "metadata": {}},
+                "version": 1, "items": [{"id": "msg_1", "type": "message", "role": "user", "content": "hi"}]}
+        key = conversation_key("conv_elsewhere")
+        assert ray.get(store.put_indexed.remote([(key, json.dumps(talk).encode())]))
+        client.conversations.items.create("conv_elsewhere", items=[{"role": "user", "content": "again"}])
+        assert ray.get(store.get_many.remote([key])) == [None]
+        assert ray.get(store.put_indexed.remote([(key, json.dumps(talk).encode())]))
+        listed = client.conversations.items.list("conv_elsewhere", order="asc").data
+        assert [item.id for item in listed][0] == "msg_1" and listed[1].content[0].text == "again"
+        client.conversations.delete("conv_elsewhere")
+        assert ray.get(store.get_many.remote([key])) == [None]
+        with pytest.raises(openai.NotFoundError):
+            client.conversations.retrieve("conv_elsewhere")
         ray.kill(holder)
 

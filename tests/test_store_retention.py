@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from storage.index import RedisIndex
-from storage.keys import Fingerprint, chunk_keys, response_key, window_key
+from storage.keys import Fingerprint, chunk_keys, conversation_key, response_key, window_key
 from storage.policy import RetentionPolicy
 from storage.redis_link import RedisLink
 from storage.redis_server import RedisServer
@@ -131,31 +131,51 @@ def test_persisted_window_states_outlive_ram_v4_style(tmp_path: Path, redis_serv
         assert store.stats().tiers["ssd"].hits == 1
 
 
-def test_a_stored_response_outlives_ram_and_a_restart_for_its_hours(tmp_path: Path,
-                                                                    redis_server: RedisServer) -> None:
-    """A response (``POST /v1/responses`` with ``store``) leaves RAM after the window's
-    minutes but stays on SSD, where a reopened store finds it, until its own retention
-    (here 5 h, shorter than the chunks' 72) runs out after its last use."""
+@pytest.mark.parametrize("key, suffix", [(response_key("resp_abc"), "response"),
+                                         (conversation_key("conv_abc"), "conversation")])
+def test_a_stored_response_or_conversation_outlives_ram_and_a_restart_for_its_hours(
+        tmp_path: Path, redis_server: RedisServer, key, suffix) -> None:
+    """A response (``POST /v1/responses`` with ``store``) or a conversation
+    (``POST /v1/conversations``) leaves RAM after the window's minutes but stays on SSD,
+    where a reopened store finds it, until its own retention (here 5 h, shorter than the
+    chunks' 72) runs out after its last use."""
     clock = Clock()
-    key = response_key("resp_abc")
-    assert key != response_key("resp_abd") and key.kind.name == "RESPONSE"
+    assert key.kind.name == suffix.upper()
+    assert len({response_key("resp_abc"), response_key("resp_abd"), conversation_key("resp_abc")}) == 3
     settings = {"ram": True, "ssd": True, "redis_bytes": False, "window_ttl_minutes": 30,
                 "response_retention_hours": 5}
     with make_store(tmp_path, redis_server.url, clock, **settings) as store:
-        store.put(key, b'{"response": 1}')
+        store.put(key, b'{"record": 1}')
         assert store.flush(10)
         clock.now += HOUR
         store.gc()
         assert store.stats().tiers["ram"].expirations == 1
-        assert store.get(key) == b'{"response": 1}' and store.stats().tiers["ssd"].hits == 1
-    assert list((tmp_path / "ssd").rglob("*.response"))
+        assert store.get(key) == b'{"record": 1}' and store.stats().tiers["ssd"].hits == 1
+    assert list((tmp_path / "ssd").rglob(f"*.{suffix}"))
     clock.now += 4.5 * HOUR  # 4.5 h after its last use (the read above)
     with make_store(tmp_path, redis_server.url, clock, **settings) as store:
-        assert store.get(key) == b'{"response": 1}'
+        assert store.get(key) == b'{"record": 1}'
         clock.now += 5.5 * HOUR
         store.gc()
         assert store.flush(10)
         assert_gone_everywhere(store, key, tmp_path, redis_server.url, clock)
+
+
+def test_a_conversation_is_its_newest_version_in_every_tier(tmp_path: Path, redis_server: RedisServer) -> None:
+    """A conversation changes under its key: the SSD copy is rewritten (a chunk's key
+    always stands for the same bytes, so the SSD keeps the copy it has), and the newest
+    version is what RAM, SSD and a reopened store give."""
+    clock, key = Clock(), conversation_key("conv_abc")
+    settings = {"ram": True, "ssd": True, "redis_bytes": False, "window_ttl_minutes": 30}
+    with make_store(tmp_path, redis_server.url, clock, **settings) as store:
+        for version in (b'{"version": 1}', b'{"version": 2, "items": []}'):
+            store.put(key, version)
+            assert store.flush(10) and store.get(key) == version
+        clock.now += HOUR
+        store.gc()  # out of RAM: read from SSD
+        assert store.get(key) == b'{"version": 2, "items": []}' and store.stats().tiers["ssd"].hits == 1
+    with make_store(tmp_path, redis_server.url, clock, **settings) as store:
+        assert store.get(key) == b'{"version": 2, "items": []}'
 
 
 def test_retention_numbers_are_config(tmp_path: Path, redis_server: RedisServer) -> None:

@@ -37,7 +37,8 @@ from storage.tiers.sized import SizedPayload
 
 WriteFile = Callable[[int, Sequence[bytes]], None]
 
-_SUFFIX = {Kind.CHUNK: ".chunk", Kind.WINDOW: ".window", Kind.RESPONSE: ".response"}
+_SUFFIX = {Kind.CHUNK: ".chunk", Kind.WINDOW: ".window", Kind.RESPONSE: ".response",
+           Kind.CONVERSATION: ".conversation"}
 _KIND_OF_SUFFIX = {suffix: kind for kind, suffix in _SUFFIX.items()}
 _TEMP_SUFFIX = ".tmp"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
