@@ -21,7 +21,8 @@ from typing import Annotated
 from pydantic import Field, StringConstraints
 
 from cluster.openai_api import ApiError, _Schema, _validated
-from cluster.responses_api import _ITEMS, _TAGS, _id, _Item, identified, items_page, listed
+# (``encoded``: a conversation's bytes in the store are JSON, as a stored response's)
+from cluster.responses_api import _ITEMS, _TAGS, _id, _Item, encoded, identified, items_page, listed  # noqa: F401
 
 MAX_NEW_ITEMS = 20  # items one request may add (OpenAI's limit)
 
@@ -110,11 +111,6 @@ def added(items: list[dict]) -> dict:
 
 def deleted(cid: str) -> dict:
     return {"id": cid, "object": "conversation.deleted", "deleted": True}
-
-
-def encoded(record: dict) -> bytes:
-    """A record's bytes in the store: JSON."""
-    return json.dumps(record, separators=(",", ":")).encode()
 
 
 def read(payload: bytes | None, cid: str) -> dict | None:
