@@ -22,7 +22,8 @@ from pydantic import Field, StringConstraints
 
 from cluster.openai_api import ApiError, _Schema, _validated
 # (``encoded``: a conversation's bytes in the store are JSON, as a stored response's)
-from cluster.responses_api import _ITEMS, _TAGS, _id, _Item, encoded, identified, items_page, listed  # noqa: F401
+from cluster.responses_api import (  # noqa: F401
+    _ITEMS, _TAGS, _id, _Item, distinct, encoded, identified, items_page, listed)
 
 MAX_NEW_ITEMS = 20  # items one request may add (OpenAI's limit)
 
@@ -59,8 +60,9 @@ def created(data: dict, now: float | None = None) -> dict:
     request = _validated(ConversationCreate, data, tags=_TAGS)
     conversation = {"id": conversation_id(), "object": "conversation",
                     "created_at": int(time.time() if now is None else now), "metadata": request.metadata or {}}
-    return {"conversation": conversation, "version": 1,
-            "items": identified(data["items"], request.items) if request.items else []}
+    items = identified(data["items"], request.items) if request.items else []
+    distinct(items, [], "items")
+    return {"conversation": conversation, "version": 1, "items": items}
 
 
 def updated(record: dict, data: dict) -> dict:
@@ -75,7 +77,10 @@ def new_items(data: dict) -> list[dict]:
     return identified(data["items"], request.items)
 
 
-def with_items(record: dict, items: list[dict]) -> dict:
+def with_items(record: dict, items: list[dict], param: str = "items") -> dict:
+    """The conversation with ``items`` added; a 400 naming ``param`` if one has the id
+    of an item it holds."""
+    distinct(items, record["items"], param)
     return _changed(record, items=[*record["items"], *items])
 
 

@@ -287,6 +287,7 @@ def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: i
             "previous_response_id": request.previous_response_id,
             "conversation": {"id": conversation} if conversation else None}
     new_items = identified(data["input"], request.input)
+    distinct(new_items, history, "input")
     return ParsedResponses(generation, echo, logprobs, tuple(origins), store, (*history, *new_items) if store else (),
                            conversation, tuple(new_items) if conversation else ())
 
@@ -431,6 +432,17 @@ def identified(raw: str | list, items: str | list[_Item]) -> list[dict]:
         return [{"id": _id("msg"), "type": "message", "role": "user", "content": raw}]
     return [{**sent, "id": sent.get("id") or _id(_ID_PREFIX[item.type]), "type": item.type}
             for sent, item in zip(raw, items)]
+
+
+def distinct(items: Sequence[dict], earlier: Sequence[dict], param: str) -> None:
+    """A 400 naming ``param``, as OpenAI answers it, when one of ``items`` has the id of an
+    item ``earlier`` (the response or conversation continued) or of another one sent."""
+    seen = {entry.get("id") for entry in earlier}
+    for entry in items:
+        if entry["id"] in seen:
+            raise ApiError(400, f"Duplicate item found with id {entry['id']!r}. Remove duplicate items from your "
+                                f"{param} and try again.", param, code="duplicate_item")
+        seen.add(entry["id"])
 
 
 def _stored_items(history: Sequence[dict], param: str) -> list[_Item]:

@@ -1057,7 +1057,7 @@ class Router:
         if joins and responses.conversation is not None:
             joined = [*responses.new_items, *response["output"]]
             await self._change_conversation(responses.conversation,
-                                            lambda record: conversations_api.with_items(record, joined))
+                                            lambda record: conversations_api.with_items(record, joined, "input"))
 
     # ------------------------------------------------------------------ conversations
     async def _conversation(self, cid: str, param: str | None = None) -> dict:

@@ -117,3 +117,26 @@ def test_a_responses_request_naming_a_conversation_reads_as_its_items_sent_as_in
     with pytest.raises(ApiError) as caught:
         parsed(input="x", conversation=cid, previous_response_id="resp_1")
     assert caught.value.param == "conversation"
+
+
+def test_an_item_id_a_conversation_or_request_already_has_is_a_400() -> None:
+    """As OpenAI answers it ("Duplicate item found with id ..."): an item sent with the id
+    of one the conversation (or the response continued) holds, or sent twice, is refused
+    before anything changes; the same item without its id is a new item."""
+    record = conversations.created({"items": [{"role": "user", "content": "Lines of glob?", "id": "msg_1"}]})
+    again = {"type": "message", "role": "user", "content": "Again", "id": "msg_1"}
+    cases = [(lambda: conversations.with_items(record, conversations.new_items({"items": [again]})), "items"),
+             (lambda: conversations.created({"items": [again, again]}), "items"),
+             (lambda: parse_responses({"model": MODEL, "input": [again], "conversation": record["conversation"]["id"]},
+                                      MODEL, default_max=64, vocab_size=4096, keeps=True, history=record["items"]),
+              "input"),
+             (lambda: parse_responses({"model": MODEL, "input": [again], "previous_response_id": "resp_1"},
+                                      MODEL, default_max=64, vocab_size=4096, keeps=True, history=record["items"]),
+              "input")]
+    for call, param in cases:
+        with pytest.raises(ApiError) as caught:
+            call()
+        assert (caught.value.status, caught.value.param, caught.value.code) == (400, param, "duplicate_item")
+        assert "msg_1" in str(caught.value)
+    fresh = conversations.with_items(record, conversations.new_items({"items": [{**again, "id": None}]}))
+    assert len({entry["id"] for entry in fresh["items"]}) == 2 and fresh["version"] == 2
