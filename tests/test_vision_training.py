@@ -86,3 +86,30 @@ def test_the_tower_learns_through_the_frozen_backbone(tmp_path):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_a_run_from_init_starts_from_that_tower(tmp_path):
+    """`v41 train-vision --init DIR` continues DIR's tower: given no training time, it
+    writes that tower back as the release stores a tower, in BF16 (this test's tower is
+    stored in fp32); a checkpoint with no tower of the trained size is refused."""
+    import argparse
+
+    import pytest
+
+    from cluster.commands import train_vision
+    from model.config import VisionConfig
+    from model.loader import add_vision_tower, load_checkpoint
+    from tests.vision_model import GOLDEN
+
+    start = add_vision_tower(GOLDEN, tmp_path / "start", VisionConfig(**train_vision.VISION), seed=11, std=0.1)
+    args = argparse.Namespace(checkpoint=GOLDEN, out=tmp_path / "out", minutes=0.0, batch=2, lr=1e-3, seed=0,
+                              glyph_weight=0.5, eval=1, evaluate_only=False, init=start)
+    assert train_vision.run(args) == 0
+    before, after = load_checkpoint(start).vision.state_dict(), load_checkpoint(args.out).vision.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k].to(torch.bfloat16).float(), after[k]) for k in before)
+    assert not all(torch.equal(before[k], after[k]) for k in before)  # (it was rounded)
+    assert load_checkpoint(args.out).backbone.state_dict().keys() == load_checkpoint(GOLDEN).backbone.state_dict().keys()
+    for wrong in (GOLDEN, vision_checkpoint(tmp_path / "smaller")):
+        with pytest.raises(SystemExit):
+            train_vision.run(argparse.Namespace(**{**vars(args), "init": wrong}))

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--glyph-weight", type=float, default=0.5, help="weight of the auxiliary glyph loss")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="start from the vision tower of this checkpoint (trained on the same backbone)")
     parser.add_argument("--eval", type=int, default=100, help="held-out snippets evaluated at the end")
     parser.add_argument("--evaluate-only", action="store_true", help="only evaluate --checkpoint (a reader)")
 
@@ -181,6 +183,11 @@ def run(args: argparse.Namespace) -> int:
     backbone.requires_grad_(False)
     vision = VisionConfig(**VISION)
     tower = init_module(VisionTower(vision, text), seed=args.seed, std=0.02).train()
+    if args.init is not None:  # (the glyph head is not saved: it starts afresh)
+        start = load_checkpoint(args.init).vision
+        if start is None or start.config != vision:
+            raise SystemExit(f"v41 train-vision: {args.init} has no vision tower of this size")
+        tower.load_state_dict(start.state_dict())
     tokenizer = Tokenizer.from_dir(args.checkpoint)
     template = ChatTemplate(tokenizer)
     hasher = load_hasher(args.checkpoint, checkpoint.config)
@@ -218,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     out = save_with_vision(args.checkpoint, args.out, checkpoint, tower, image_id)
     (out / "vision_training.json").write_text(json.dumps({
         "steps": step, "minutes": args.minutes, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "init": str(args.init) if args.init else None,
         "vision_config": asdict(vision), "prompt": PROMPT, "faces": FACES, "font_sizes": [16, 24],
         "glyph_weight": args.glyph_weight,
         "glyph_loss_every_20": [round(sum(glyph_log[i:i + 20]) / len(glyph_log[i:i + 20]), 4)
