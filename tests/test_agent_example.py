@@ -3,15 +3,10 @@ test_tool_data.py), its tasks ask about held-out modules and have answers."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from cluster import stdlib_tools
+from tests.example_agent import load_agent
 
-_spec = importlib.util.spec_from_file_location("agent", Path(__file__).parents[1] / "examples" / "agent.py")
-agent = sys.modules["agent"] = importlib.util.module_from_spec(_spec)  # (dataclasses look it up)
-_spec.loader.exec_module(agent)
+agent = load_agent()
 
 
 def test_the_agent_offers_tools_of_the_tool_world():

@@ -4,7 +4,6 @@ usage with cached tokens, errors, and a decoder replica killed mid-stream."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Literal
 import urllib.error
@@ -384,12 +383,10 @@ def test_the_example_agent_runs_its_tool_loop(client):
     """examples/agent.py against the server: a forced first call is executed here and its
     result goes back; the loop ends with an answer that calls nothing (or at its limit)."""
     import argparse
-    import importlib.util
-    from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("agent", Path(__file__).parents[1] / "examples" / "agent.py")
-    agent = sys.modules["agent"] = importlib.util.module_from_spec(spec)  # (dataclasses look it up)
-    spec.loader.exec_module(agent)
+    from tests.example_agent import load_agent
+
+    agent = load_agent()
     calls = []
     run_tool = agent.run_tool
     agent.run_tool = lambda name, arguments: calls.append(name) or run_tool(name, arguments)

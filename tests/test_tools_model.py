@@ -79,16 +79,13 @@ def test_the_example_agent_solves_tasks_against_the_served_model(tmp_path):
     right text). The shipped model solves these three of the twelve held-out tasks; a
     margin of one for rounding that differs between CPUs. The model before it solved none."""
     import argparse
-    import importlib.util
-    import sys
 
     import openai
 
+    from tests.example_agent import load_agent
     from tests.serve_harness import running_app
 
-    spec = importlib.util.spec_from_file_location("agent", Path(__file__).parents[1] / "examples" / "agent.py")
-    agent = sys.modules["agent"] = importlib.util.module_from_spec(spec)  # (dataclasses look it up)
-    spec.loader.exec_module(agent)
+    agent = load_agent()
     args = argparse.Namespace(first_call="auto", max_steps=4, max_tokens=200)
     by_question = {task.question: task for task in agent.tasks()}
     offered = {tool["function"]["name"] for tool in agent.TOOLS}
