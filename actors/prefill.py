@@ -145,7 +145,10 @@ class PrefillService:
         if engram_rows is not None:  # rows of the whole prompt: keep the new tokens'
             rows = lambda: {layer: r[cached:] for layer, r in engram_rows().items()}  # noqa: E731
         fresh = self.engine.prefill(cache, tokens[cached:], engram_rows=rows, images=spans)
-        inputs = replay.then(fresh) if replay is not None else fresh
+        # Only what the decoder's replay reads travels (a bounded replay: the last window).
+        inputs = self.engine.replayed(cache, replay.then(fresh) if replay is not None else fresh)
+        if not in_process:
+            inputs = inputs.compact()
         chunked = chunks_read * self.naming.chunk_tokens
         return Handoff(
             token_ids=tuple(tokens),

@@ -61,7 +61,8 @@ class ModelBundle(ModelIdentity):
         self.hasher = load_hasher(config.model, self.model_config)
         image_token_id = self.model_config.image_token_id if self.model_config.vision is not None else None
         self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay,
-                             compiled=config.compiled_step and parallel.experts == 1, image_token_id=image_token_id)
+                             compiled=config.compiled_step and parallel.experts == 1, image_token_id=image_token_id,
+                             restore_windows=None if config.exact_replay else config.encoder_replay_windows)
         if self.engine.compiled is not None:
             self.engine.warm_compiled()  # before any step is timed (the DSpark cost table) or served
 

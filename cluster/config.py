@@ -76,7 +76,15 @@ class AppConfig(BaseModel):
     image_dir: str | None = None
     max_model_len: PositiveInt = 16384
     chunk_tokens: PositiveInt = 64
+    # Both bounded replays exact: the decoder replays whole prompts, and a conversation
+    # whose window state expired has its windows rebuilt exactly (one window of tokens
+    # per layer rerun: 640 on configs/small, 5,120 on the release).
     exact_replay: bool = False
+    # A conversation whose window state expired (Encoder SWA Bounded Replay): the encoder
+    # reruns this many windows of its last tokens from empty windows. The seed reruns
+    # one; on configs/small one drifts (greedy agreement 54.9% on held-out text) and
+    # four agree (100%) for a rerun of 256 tokens: `v41 bench replay`, README.
+    encoder_replay_windows: PositiveInt = 4
     # The decoder pool runs each layer's per-token work compiled (AOTInductor; model/
     # runtime/compiled.py): built when a replica first starts (~2.5 min on configs/small,
     # kept in ~/.cache/v41/aot for the next start: a few s), decode steps x3-4 faster at

@@ -176,6 +176,41 @@ def test_restore_rebuilds_expired_windows(tiny):
     assert torch.isfinite(logits).all()
 
 
+def test_restore_of_more_windows_warms_up_and_one_per_layer_is_exact(tiny):
+    """Encoder SWA Bounded Replay of M windows reruns the last M windows of tokens; the
+    windows it rebuilds draw nearer the kept ones as M grows, and with one window per
+    layer (``restore_windows=None``) they are the kept ones: to float rounding, as
+    the rerun runs the same tokens in other groupings than the prefill did."""
+    model, hasher = tiny
+    window, layers = model.config.sliding_window, model.config.num_hidden_layers
+    conversation, follow = _tokens(layers * window + 100, 8), _tokens(9, 6)
+    kept_engine = Engine(model, hasher, bounded_replay=False)
+    kept = kept_engine.new_cache()
+    kept_engine.replay(kept, kept_engine.prefill(kept, conversation))
+    expected = kept_engine.replay(kept, kept_engine.prefill(kept, follow))
+    differences = {}
+    for windows in (1, 4, None):
+        engine = Engine(model, hasher, bounded_replay=False, restore_windows=windows)
+        cache = engine.new_cache()
+        engine.replay(cache, engine.prefill(cache, conversation))
+        entries = {k: v.data.clone() for k, v in cache.entries.items()}
+        cache.windows = [None] * len(cache.windows)
+        cache.pending = {k: v[:0] for k, v in cache.pending.items()}
+        restored = engine.restore(cache, conversation)
+        rerun = layers * window if windows is None else windows * window
+        assert restored.positions.tolist() == list(range(len(conversation) - rerun, len(conversation)))
+        logits = engine.replay(cache, restored.then(engine.prefill(cache, follow)))
+        differences[windows] = float((logits - expected).abs().max())
+        for k, v in entries.items():  # long-range state was not rewritten
+            assert torch.equal(cache.entries[k].data[: v.shape[0]], v)
+    assert differences[None] < 1e-4
+    # Random weights drift far from a cold window (2-3.5 in logits here); four windows of
+    # this 12-layer model less, yet not exactly.
+    assert differences[1] > 0.3 and 1e-4 < differences[4] < differences[1]
+    with pytest.raises(ValueError, match="restore_windows"):
+        Engine(model, hasher, restore_windows=0)
+
+
 def test_chunked_prefill_equals_one_shot(golden_model, golden_hasher, golden_prompts):
     _, model = golden_model
     prompt = golden_prompts[2]

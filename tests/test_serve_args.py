@@ -33,8 +33,9 @@ def test_a_serve_yaml_gives_its_first_applications_args_and_flags_win(tmp_path, 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     yaml_args = yaml.safe_load((ROOT / "configs" / "serve-local.yaml").read_text())["applications"][0]["args"]
     args = parse("--config", str(ROOT / "configs" / "serve-local.yaml"), "--max-batch", "8", "--ram-gb", "1.5",
-                 "--chunk-retention-hours", "24")
-    assert args == {**yaml_args, "max_batch": 8, "ram_capacity_bytes": 3 << 29, "chunk_retention_hours": 24.0}
+                 "--chunk-retention-hours", "24", "--encoder-replay-windows", "2")
+    assert args == {**yaml_args, "max_batch": 8, "ram_capacity_bytes": 3 << 29, "chunk_retention_hours": 24.0,
+                    "encoder_replay_windows": 2}
     assert AppConfig.from_args(args).retention().ram_capacity_bytes == 3 << 29
     plain = tmp_path / "args.yaml"
     plain.write_text("max_queued_requests: 32\nwindow_ttl_minutes: 5\n")
@@ -58,6 +59,8 @@ def test_a_mistake_is_one_line_naming_the_argument(tmp_path):
     bad.write_text("max_batch: 0\nsurprise: 1\n")
     with pytest.raises(UserError, match="max_batch.*surprise|surprise.*max_batch"):
         parse("--config", str(bad))
+    with pytest.raises(UserError, match="encoder_replay_windows"):
+        parse("--encoder-replay-windows", "0")
 
 
 def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):

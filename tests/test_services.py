@@ -158,6 +158,35 @@ def test_expired_window_state_falls_back_to_the_encoder_replay(pools, golden_pro
     warm, tokens = _run(engine, store, naming, second, n=4)
     assert warm.cached_tokens == (len(first) + len(answer) - 1) // CHUNK * CHUNK
     assert warm.stored_chunks == warm.cached_tokens // CHUNK and len(tokens) == 4
+    # The exact restore (`exact_replay`: one window of tokens per layer) answers as a cold exact run.
+    exact = Engine(engine.model, engine.hasher, bounded_replay=False, restore_windows=None)
+    assert exact.exact_restore_tokens < warm.cached_tokens  # so the rerun is not the whole prefix
+    again, tokens = _run(exact, store, naming, second, n=4)
+    assert again.cached_tokens == warm.cached_tokens
+    assert again.positions.tolist() == list(range(again.cached_tokens - exact.exact_restore_tokens, len(second)))
+    assert tokens == _greedy_tokens(exact, second, 4)
+
+
+def _greedy_tokens(engine, prompt, n):
+    cache = engine.new_cache()
+    out = [int(engine.replay(cache, engine.prefill(cache, prompt)).argmax())]
+    while len(out) < n:
+        out.append(int(engine.decode([(cache, [out[-1]])])[0][-1].argmax()))
+    return out
+
+
+def test_a_bounded_handoff_carries_the_streams_of_the_last_window_only(pools, golden_prompts):
+    engine, store, naming = pools
+    bounded = Engine(engine.model, engine.hasher, bounded_replay=True)
+    prompt = (golden_prompts[2] * 2)[:300]
+    handoff, tokens = _run(bounded, store, naming, prompt, n=6)
+    window = engine.window
+    assert handoff.positions.tolist() == list(range(300 - window, 300))
+    assert handoff.streams.shape[0] == handoff.replay_ids.shape[0] == window
+    # Not a view of the prompt's streams: pickled (to the decoder), it carries the window's only.
+    streams = handoff.streams.numel() * handoff.streams.element_size()
+    assert len(pickle.dumps(handoff)) < len(handoff.state) + 2 * streams
+    assert tokens == _greedy_tokens(bounded, prompt, 6)  # the replay read only those anyway
 
 
 def test_a_chunk_corrupted_on_disk_reads_as_a_miss(pools, golden_prompts, tmp_path):

@@ -6,13 +6,17 @@ prompts) the exact path is compared with:
 - **decoder**: Decoder SWA Bounded Replay (the decoder half replays only the last
   window of the prompt) against replaying the whole prompt;
 - **encoder**: Encoder SWA Bounded Replay (a returning conversation whose windows
-  expired: the encoder reruns its last window only) against live windows, on a
-  follow-up turn of ``--follow`` tokens.
+  expired: the encoder reruns its last window of tokens only) against live windows,
+  on a follow-up turn of ``--follow`` tokens; **encoder_xM** reruns M windows
+  (``--encoder-windows``, the serve option ``encoder_replay_windows``), and
+  **encoder_exact** as many as the exact rebuild needs (one per layer), which
+  checks the comparison itself: it agrees to float rounding.
 
 Reported per replay: max |logit difference| and KL(exact || bounded) at the first
 generated token, and greedy agreement over ``--tokens`` generated tokens (the share
 of positions where the two greedy continuations agree, and the length of the
-common prefix).
+common prefix). Each encoder row also reports what the rerun costs: its tokens and
+its time (``restore_ms``, the mean over the prompts).
 """
 
 from __future__ import annotations
@@ -29,6 +33,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=600)
     parser.add_argument("--follow", type=int, default=24, help="tokens of the follow-up turn")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens compared")
+    parser.add_argument("--encoder-windows", type=_windows, default=(1, 2, 4, None), metavar="M,M,...",
+                        help="windows of tokens each encoder replay reruns; 'exact': one per layer "
+                             "(default: 1,2,4,exact)")
+
+
+def _windows(text: str) -> tuple[int | None, ...]:
+    try:
+        values = tuple(None if part.strip() == "exact" else int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of window counts: {text!r}") from None
+    if not values or any(v is not None and v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"window counts are at least 1: {text!r}")
+    return values
+
+
+def _row_name(windows: int | None) -> str:
+    return "encoder" if windows == 1 else "encoder_exact" if windows is None else f"encoder_x{windows}"
 
 
 def _greedy(engine, cache, logits, n):
@@ -54,6 +75,8 @@ def _compare(exact_logits, bounded_logits, exact_tokens, bounded_tokens) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
+    import time
+
     import torch
 
     from cluster.commands.forward import load_or_fail, read_id_lists
@@ -68,7 +91,11 @@ def run(args: argparse.Namespace) -> int:
         prompts = [torch.randint(3, vocab - 1, (args.prompt_tokens,), generator=generator).tolist()
                    for _ in range(args.prompts)]
     exact, bounded = Engine(model, hasher, bounded_replay=False), Engine(model, hasher, bounded_replay=True)
-    rows = {"decoder": [], "encoder": []}
+    # Encoder replays of each length, followed by the exact decoder replay: the
+    # encoder's drift alone.
+    restorers = {_row_name(w): Engine(model, hasher, bounded_replay=False, restore_windows=w)
+                 for w in args.encoder_windows}
+    rows = {"decoder": [], **{name: [] for name in restorers}}
     for prompt in prompts:
         # Decoder SWA Bounded Replay.
         runs = []
@@ -79,31 +106,36 @@ def run(args: argparse.Namespace) -> int:
         rows["decoder"].append(_compare(runs[0][0], runs[1][0], runs[0][1], runs[1][1]))
         # Encoder SWA Bounded Replay: same conversation, windows live vs expired.
         follow = torch.randint(3, vocab - 1, (args.follow,), generator=generator).tolist()
-        runs = []
-        for expire in (False, True):
-            cache = exact.new_cache()
-            exact.replay(cache, exact.prefill(cache, prompt))
-            if expire:
-                cache.windows = [None] * len(cache.windows)
-                cache.pending = {k: v[:0] for k, v in cache.pending.items()}
-                inputs = exact.restore(cache, prompt).then(exact.prefill(cache, follow))
-            else:
-                inputs = exact.prefill(cache, follow)
-            logits = exact.replay(cache, inputs)
-            runs.append((logits, _greedy(exact, cache, logits, args.tokens)))
-        rows["encoder"].append(_compare(runs[0][0], runs[1][0], runs[0][1], runs[1][1]))
+        cache = exact.new_cache()
+        exact.replay(cache, exact.prefill(cache, prompt))
+        logits = exact.replay(cache, exact.prefill(cache, follow))
+        live = (logits, _greedy(exact, cache, logits, args.tokens))
+        for name, engine in restorers.items():
+            cache = engine.new_cache()
+            engine.replay(cache, engine.prefill(cache, prompt))
+            cache.windows = [None] * len(cache.windows)
+            cache.pending = {k: v[:0] for k, v in cache.pending.items()}
+            started = time.perf_counter()
+            restored = engine.restore(cache, prompt)
+            restore_ms = (time.perf_counter() - started) * 1e3
+            logits = engine.replay(cache, restored.then(engine.prefill(cache, follow)))
+            result = _compare(live[0], logits, live[1], _greedy(engine, cache, logits, args.tokens))
+            rows[name].append({**result, "rerun_tokens": len(restored.positions), "restore_ms": restore_ms})
 
     summary = {}
     print(f"bounded replay drift against the exact path: {args.checkpoint}, {len(prompts)} prompts, "
           f"{args.tokens} greedy tokens")
-    print(f"{'replay':>8}  {'max |dlogit|':>12}  {'KL':>9}  {'agreement':>9}  {'common prefix':>13}  per prompt (prefix)")
+    print(f"{'replay':>13}  {'max |dlogit|':>12}  {'KL':>9}  {'agreement':>9}  {'common prefix':>13}  "
+          f"{'rerun tokens':>12}  {'restore ms':>10}  per prompt (prefix)")
     for name, results in rows.items():
         mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
         worst = max(r["max_logit_diff"] for r in results)
         summary[name] = {**mean, "max_logit_diff_worst": worst, "per_prompt": results}
         prefixes = " ".join(str(r["common_prefix"]) for r in results)
-        print(f"{name:>8}  {worst:>12.4f}  {mean['kl']:>9.2e}  {mean['agreement']:>9.1%}  {mean['common_prefix']:>13.1f}"
-              f"  {prefixes}")
+        cost = (f"{mean['rerun_tokens']:>12.0f}  {mean['restore_ms']:>10.1f}" if "restore_ms" in mean
+                else f"{'':>12}  {'':>10}")
+        print(f"{name:>13}  {worst:>12.4f}  {mean['kl']:>9.2e}  {mean['agreement']:>9.1%}  {mean['common_prefix']:>13.1f}"
+              f"  {cost}  {prefixes}")
     if args.json:
         print(json.dumps(summary))
     return 0

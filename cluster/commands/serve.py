@@ -143,6 +143,8 @@ _FLAGS = (
     ("--ram-gb", "ram_capacity_bytes", float, "host RAM for cached state per node, GiB (default 10%% of RAM)"),
     ("--chunk-retention-hours", "chunk_retention_hours", float, "keep long-range chunks this long (default 72)"),
     ("--window-ttl-minutes", "window_ttl_minutes", float, "keep window states this long (default 30)"),
+    ("--encoder-replay-windows", "encoder_replay_windows", int,
+     "windows of tokens the encoder reruns for a conversation whose window state expired (default 4)"),
     ("--response-retention-hours", "response_retention_hours", float,
      "keep stored /v1/responses responses this long (default 72)"),
 )
@@ -164,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="SSD tier directory (default .v41/cache; each machine keeps its own slot under it)")
     parser.add_argument("--exact-replay", action="store_true", default=None,
-                        help="replay whole prompts through the decoder")
+                        help="replay whole prompts through the decoder, and rebuild expired windows exactly")
     parser.add_argument("--compiled-step", action="store_true", default=None,
                         help="run each layer's per-token work compiled in both pools (AOTInductor, built at start)")
     for pool in ("decoder", "prefill"):

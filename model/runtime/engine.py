@@ -132,6 +132,11 @@ class DecoderInput:
     def tail(self, n: int) -> "DecoderInput":
         return DecoderInput(*(None if t is None else t[-n:] for t in self._fields()))
 
+    def compact(self) -> "DecoderInput":
+        """The same inputs in tensors of their own size: a :meth:`tail` is a view, and a
+        pickled view carries all of the storage under it."""
+        return DecoderInput(*(None if t is None else t.clone() for t in self._fields()))
+
     def then(self, later: "DecoderInput") -> "DecoderInput":
         """These tokens followed by ``later`` ones (e.g. a restored tail, then a new turn)."""
         if int(self.positions[-1]) + 1 != int(later.positions[0]):
@@ -219,8 +224,11 @@ class Engine:
 
     def __init__(self, model: Transformer, hasher: NgramHasher | None, bounded_replay: bool = True,
                  query_chunk: int = 128, prefill_chunk: int = 1024, compiled: bool | str = False,
-                 image_token_id: int | None = None):
-        """``compiled``: steps of few tokens (decode, verify, short replays) run each
+                 image_token_id: int | None = None, restore_windows: int | None = 1):
+        """``restore_windows``: how many windows of tokens :meth:`restore` reruns (the
+        Encoder SWA Bounded Replay; the seed's is one); None: as many as rebuild the
+        windows exactly (:attr:`exact_restore_tokens`).
+        ``compiled``: steps of few tokens (decode, verify, short replays) run each
         block's per-token work compiled (:mod:`model.runtime.compiled`): ``True`` or
         ``"aot"`` built ahead of time by AOTInductor, ``"jit"`` by ``torch.compile``.
         ``image_token_id`` (a model that reads images): positions holding it are image
@@ -238,6 +246,9 @@ class Engine:
         self.query_chunk, self.prefill_chunk = query_chunk, prefill_chunk
         self.decoder_start = self.config.decoder_start
         self.window = self.config.sliding_window
+        if restore_windows is not None and restore_windows < 1:
+            raise ValueError(f"restore_windows must be at least 1, not {restore_windows}")
+        self.restore_windows = restore_windows
         self._ratios = {plan.index: plan.compress_ratio for plan in self.config.layer_plans()}
         # Engram layers the decoder's replay runs: their rows come from the inputs' row ids.
         self._decoder_engram = tuple(i for i in self.config.engram_layer_ids if i >= self.decoder_start)
@@ -360,11 +371,8 @@ class Engine:
         A ``tap`` on decoder layers records their input streams for the replayed tokens
         (positions ``cache.length - n ..``, ``n`` = rows recorded).
         """
-        exact = not self.bounded_replay if exact is None else exact
-        windows = [cache.windows[i] for i in range(self.decoder_start, self.config.num_hidden_layers)]
-        continuing = all(w is not None for w in windows) and windows and windows[0].end == int(inputs.positions[0])
-        if not exact and not continuing and len(inputs.positions) > self.window:
-            inputs = inputs.tail(self.window)
+        continuing = self._decoder_continues(cache, inputs)
+        inputs = self.replayed(cache, inputs, exact)
         if not continuing:
             for i in range(self.decoder_start, self.config.num_hidden_layers):
                 cache.windows[i] = None
@@ -374,6 +382,20 @@ class Engine:
         streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, rows, tap,
                                  self._image_mask(inputs.token_ids))
         return self.model.head(streams[-1:], pre[-1:])[0]
+
+    def replayed(self, cache: SequenceCache, inputs: DecoderInput, exact: bool | None = None) -> DecoderInput:
+        """The part of ``inputs`` that :meth:`replay` runs: all of it when the decoder
+        windows continue where they end or the replay is exact, else its last window
+        (Decoder SWA Bounded Replay). What a prefill hands the decoder: the streams of
+        the tokens before it would never be read."""
+        exact = not self.bounded_replay if exact is None else exact
+        if exact or self._decoder_continues(cache, inputs) or len(inputs.positions) <= self.window:
+            return inputs
+        return inputs.tail(self.window)
+
+    def _decoder_continues(self, cache: SequenceCache, inputs: DecoderInput) -> bool:
+        windows = [cache.windows[i] for i in range(self.decoder_start, self.config.num_hidden_layers)]
+        return bool(windows) and all(w is not None for w in windows) and windows[0].end == int(inputs.positions[0])
 
     @torch.no_grad()
     def decode(self, batch: list[tuple[SequenceCache, list[int]]], tap: Tap | None = None) -> list[torch.Tensor]:
@@ -437,18 +459,29 @@ class Engine:
         logits = self.model.head(streams, pre)
         return [logits[s.lo : s.hi] for s in segments], [s.rewind for s in segments]
 
+    @property
+    def exact_restore_tokens(self) -> int:
+        """Tokens a rebuild of expired windows reruns to be exact: each layer's window
+        reads the window of the layer below, so the last window of the top layer
+        reaches back one window per layer (the seed's 40 x 128 = 5,120 for the release)."""
+        return self.config.num_hidden_layers * self.window
+
     @torch.no_grad()
     def restore(self, cache: SequenceCache, token_ids: list[int], images: Sequence[ImageSpan] = ()) -> DecoderInput:
         """Encoder SWA Bounded Replay: rebuild expired encoder windows of a sequence.
 
         ``cache`` holds the long-range state of ``token_ids`` (the whole sequence so
         far, ``cache.length`` tokens) but no windows; the encoder reruns on the last
-        ``sliding_window`` tokens only, starting from empty windows. Returns their
-        decoder-input streams (the decoder windows are rebuilt by :meth:`replay`).
+        ``restore_windows`` windows of tokens only, starting from empty windows (the
+        first of them see a cold window; the last ones are warmed by those before).
+        Returns their decoder-input streams (the decoder windows are rebuilt by
+        :meth:`replay`: an exact replay of all of them rebuilds the decoder windows
+        exactly when the restore is exact).
         """
         if len(token_ids) != cache.length:
             raise ValueError(f"{len(token_ids)} tokens for a cache of {cache.length}")
-        start = max(0, cache.length - self.window)
+        span = self.exact_restore_tokens if self.restore_windows is None else self.restore_windows * self.window
+        start = max(0, cache.length - span)
         for i in range(self.config.num_hidden_layers):
             cache.windows[i] = None
         device = self.model.embed.weight.device
