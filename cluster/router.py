@@ -642,30 +642,27 @@ class Router:
 
     @fastapi_app.get("/v1/responses/{rid}")
     async def stored_response(self, rid: str, request: Request):
-        try:
-            self._authorize(request)
+        async def call():
             return (await self._stored_response(rid))["response"]
-        except api.ApiError as error:
-            return JSONResponse(error.body(), status_code=error.status)
+
+        return await self._records_call(request, call)
 
     @fastapi_app.get("/v1/responses/{rid}/input_items")
     async def stored_input_items(self, rid: str, request: Request, after: str | None = None, limit: int = 20,
                                  order: str = "desc"):
-        try:
-            self._authorize(request)
+        async def call():
             return responses_api.input_items_page(await self._stored_response(rid), after, limit, order)
-        except api.ApiError as error:
-            return JSONResponse(error.body(), status_code=error.status)
+
+        return await self._records_call(request, call)
 
     @fastapi_app.delete("/v1/responses/{rid}")
     async def delete_response(self, rid: str, request: Request):
-        try:
-            self._authorize(request)
+        async def call():
             await self._stored_response(rid)
             await self.records.forget_response(rid)
-        except api.ApiError as error:
-            return JSONResponse(error.body(), status_code=error.status)
-        return {"id": rid, "object": "response", "deleted": True}
+            return {"id": rid, "object": "response", "deleted": True}
+
+        return await self._records_call(request, call)
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 as soon as it is known to be over the
@@ -1073,16 +1070,21 @@ class Router:
             raise conversations_api.not_found(cid)
         return record
 
-    async def _conversations_call(self, request: Request, call):
-        """One Conversations API call: ``call()``'s body, or its error in the OpenAI shape."""
+    async def _records_call(self, request: Request, call, conversations: bool = False):
+        """One call of the stored-records routes (responses, conversations): ``call()``'s
+        body, or its error in the OpenAI shape. Conversations are refused when this
+        server keeps none; a stored response is then simply not found."""
         try:
             self._authorize(request)
-            if not self.config.store_responses:
+            if conversations and not self.config.store_responses:
                 raise api.ApiError(400, "this server keeps no conversations (store_responses is off)",
                                    code="conversations_disabled")
             return await call()
         except api.ApiError as error:
             return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    async def _conversations_call(self, request: Request, call):
+        return await self._records_call(request, call, conversations=True)
 
     async def _json_body(self, request: Request) -> dict:
         data = api.parse_json(await self._body(request))
