@@ -189,7 +189,8 @@ def test_every_gold_call_is_inside_the_grammar_constrained_decoding_enforces(tok
 
 def test_train_tools_fine_tunes_and_saves_a_loadable_checkpoint(tmp_path):
     """Two steps of `v41 train-tools` from the shipped checkpoint, then one more from the
-    result: the weights move, the checkpoint loads, the report keeps the runs before it."""
+    result: the backbone's weights move, the drafter and the vision tower are kept as they
+    were, the checkpoint loads, the report keeps the runs before it."""
     import subprocess
     import sys
 
@@ -211,6 +212,9 @@ def test_train_tools_fine_tunes_and_saves_a_loadable_checkpoint(tmp_path):
     moved = [name for name, p in after.backbone.named_parameters()
              if not torch.equal(p, dict(before.backbone.named_parameters())[name])]
     assert moved and (out / "tokenizer.json").read_bytes() == (SMALL / "tokenizer.json").read_bytes()
+    for part in ("drafter", "vision"):  # (a tower left out made a checkpoint whose config has one)
+        kept, shipped = dict(getattr(after, part).named_parameters()), getattr(before, part).named_parameters()
+        assert all(torch.equal(kept[name], p) for name, p in shipped), part
     assert not (out / "tools-state").exists()
     again = subprocess.run([sys.executable, "-m", "cluster.cli", "train-tools", "--checkpoint", str(out), "--out",
                             str(out), "--steps", "1", "--max-files", "100", "--eval", "0"],

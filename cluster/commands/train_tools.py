@@ -6,7 +6,8 @@ format; the loss is on the assistant turns only: calls, answers, end tokens), mi
 with replay of its pretraining data (random windows of the standard library and, one in
 ten, a chat-formatted completion, as in pretraining; bounded replays as in pretraining) so that the held-out corpus loss does not get worse.
 Weights are trained quantisation-aware throughout (the checkpoint is stored in FP8/FP4).
-The drafter is copied unchanged.
+The drafter and the vision tower are copied unchanged (both read the backbone: train
+them again on the result, `v41 train-drafter --init`, `v41 train-vision --init`).
 
 At the end: the checkpoint is written to ``--out`` with the source's tokenizer and
 DSpark calibration, and ``tool_training.json`` records the held-out corpus loss before
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
-    save_checkpoint(out, Checkpoint(checkpoint.config, model, drafter))
+    save_checkpoint(out, Checkpoint(checkpoint.config, model, drafter, checkpoint.vision))
     if out.resolve() != args.checkpoint.resolve():
         for name in KEEP_FILES:
             if (args.checkpoint / name).exists():
