@@ -302,7 +302,12 @@ _GREETINGS = (("Hello!", "Hello! Ask me about the Python standard library."),
               ("Good morning.", "Good morning! What would you like to know?"))
 
 
-def episode(d: _Draw, split: str) -> Episode | None:
+def episode(d: _Draw, split: str, multi_call: float = 0.0) -> Episode | None:
+    """One question and its calls. With ``multi_call``, that share of episodes is first
+    drawn as one that makes more than one call (a chain, or parallel calls: two to one);
+    the rest follow the default mix (17% of it is multi-call already)."""
+    if multi_call and d.rng.random() < multi_call:
+        return _chain(d, split) if d.rng.random() < 2 / 3 else _parallel(d, split)
     u = d.rng.random()
     if u < 0.05:
         greeting, reply = d.rng.choice(_GREETINGS)
@@ -339,9 +344,9 @@ def _play(ep: Episode, ids: list[int]) -> list[Message]:
     return messages
 
 
-def conversation(rng: random.Random, split: str = "train") -> Conversation:
+def conversation(rng: random.Random, split: str = "train", multi_call: float = 0.0) -> Conversation:
     """One conversation: one episode, or (one in ten) two in a row; or (one in twelve)
-    a chat offered no tools, answered in text."""
+    a chat offered no tools, answered in text. ``multi_call``: see :func:`episode`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}")
     if rng.random() < 1 / 12:
@@ -353,7 +358,7 @@ def conversation(rng: random.Random, split: str = "train") -> Conversation:
         d = _Draw(rng, stdlib_tools.HELD_OUT_MODULES)
     episodes: list[Episode] = []
     while len(episodes) < (2 if rng.random() < 0.1 else 1):
-        ep = episode(d, split)
+        ep = episode(d, split, multi_call)
         if ep is not None:
             episodes.append(ep)
     messages: list[Message] = [Message("system", SYSTEM)] if rng.random() < 0.7 else []

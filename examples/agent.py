@@ -3,6 +3,7 @@
     v41 serve &                                    # in another shell
     python examples/agent.py "How many public names does the json module define?"
     python examples/agent.py --tasks                # the built-in tasks, with a success rate
+    python examples/agent.py --tasks --more 36      # and 36 drawn ones (one-call and two-call)
 
 The model gets six tools of ``cluster.stdlib_tools`` (count a module's public names or
 source lines, whether it defines a name, its docstring, arithmetic, primality), executed
@@ -16,13 +17,17 @@ The tasks have answers computed here, from the same standard library, about modu
 shipped small model's tool fine-tune held out; a task succeeds when the final answer
 contains the answer(s) as whole words and the calls that give them were made (the same
 function and arguments; an expression by its value). An answer that happens to hold
-the right text after the wrong calls is counted apart, as luck.
+the right text after the wrong calls is counted apart, as luck. ``--more N`` draws N more
+tasks of the same kinds over the held-out modules (seeded by ``--seed``), half of them
+one call and half two (a count, then arithmetic on it; or two modules' counts), and the
+success rate is reported per number of calls a task needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import sys
 from dataclasses import dataclass, field
@@ -56,12 +61,14 @@ class Trace:
     answer: str = ""
 
 
+def task(question: str, *calls: Call, answers: tuple[str, ...] = ()) -> Task:
+    """A task whose answers are its calls' results unless given."""
+    return Task(question, calls, answers or tuple(run_tool(name, arguments) for name, arguments in calls))
+
+
 def tasks() -> list[Task]:
     """The built-in tasks, with answers computed here. The modules are ones the small
     model's tool fine-tune held out."""
-    def task(question: str, *calls: Call, answers: tuple[str, ...] = ()) -> Task:
-        return Task(question, calls, answers or tuple(run_tool(name, arguments) for name, arguments in calls))
-
     assert {"bisect", "glob", "json", "pprint", "lzma", "html", "token", "re", "weakref"} <= set(HELD_OUT_MODULES)
     glob_names = run_tool("count_names", {"module": "glob"})
     re_lines = run_tool("count_lines", {"module": "re"})
@@ -84,6 +91,49 @@ def tasks() -> list[Task]:
         task("Compute 777 * 23.", ("calculate", {"expression": "777 * 23"})),
         task("Count the public names in weakref.", ("count_names", {"module": "weakref"})),
     ]
+
+
+def drawn_tasks(n: int, seed: int = 0) -> list[Task]:
+    """``n`` tasks of the built-in tasks' kinds over the held-out modules, alternately one
+    call and two, with answers computed here."""
+    rng = random.Random(f"agent-tasks:{seed}")
+    modules = sorted(HELD_OUT_MODULES)
+
+    def then(first: Call, question: str, op: str) -> Task:
+        k = rng.randint(2, 20)
+        expression = f"{run_tool(*first)} {op} {k}"
+        return task(question.format(k=k), first, ("calculate", {"expression": expression}),
+                    answers=(run_tool("calculate", {"expression": expression}),))
+
+    def one_call() -> Task:
+        module, kind = rng.choice(modules), rng.randrange(5)
+        if kind == 0:
+            return task(f"How many public names does the {module} module define?", ("count_names", {"module": module}))
+        if kind == 1:
+            return task(f"How many lines of source does {module} have?", ("count_lines", {"module": module}))
+        if kind == 2:
+            module = rng.choice([m for m in modules if run_tool("module_doc", {"module": m}) != "no docstring"])
+            return task(f"What is the {module} module for?", ("module_doc", {"module": module}))
+        if kind == 3:
+            number = rng.randint(100, 9999)
+            prime = run_tool("is_prime", {"n": number}) == "true"
+            return task(f"Is {number} a prime number?", ("is_prime", {"n": number}), answers=("Yes" if prime else "No",))
+        expression = f"{rng.randint(11, 999)} * {rng.randint(11, 99)}"
+        return task(f"What is {expression}?", ("calculate", {"expression": expression}))
+
+    def two_calls() -> Task:
+        module, kind = rng.choice(modules), rng.randrange(3)
+        if kind == 0:
+            return then(("count_names", {"module": module}), f"How many public names does {module} have, times {{k}}?",
+                        "*")
+        if kind == 1:
+            return then(("count_lines", {"module": module}), f"How many source lines does {module} have, plus {{k}}?",
+                        "+")
+        other = rng.choice([m for m in modules if m != module])
+        return task(f"How many public names do {module} and {other} define?", ("count_names", {"module": module}),
+                    ("count_names", {"module": other}))
+
+    return [one_call() if i % 2 == 0 else two_calls() for i in range(n)]
 
 
 def same_call(made: Call, wanted: Call) -> bool:
@@ -160,6 +210,8 @@ def main() -> int:
     parser.add_argument("--tasks", action="store_true", help="run the built-in tasks and report the success rate")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--api-key", default="unused")
+    parser.add_argument("--more", type=int, default=0, help="with --tasks: N drawn tasks besides the built-in ones")
+    parser.add_argument("--seed", type=int, default=0, help="the draw of --more")
     parser.add_argument("--first-call", default="auto", choices=("auto", "required"))
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=200)
@@ -173,20 +225,26 @@ def main() -> int:
         print(f"task: {args.question}")
         solve(client, model, args.question, args, show=True)
         return 0
-    grades = []
-    for task in tasks():
-        print(f"task: {task.question}")
-        grades.append(grade(task, solve(client, model, task.question, args, show=True)))
-        wanted = ", ".join(f"{name}({json.dumps(arguments)})" for name, arguments in task.calls)
-        print(f"  wanted {wanted} -> {' and '.join(map(repr, task.answers))}: calls {'made' if grades[-1].calls else 'not made'}, "
+    grades, todo = [], tasks() + drawn_tasks(args.more, args.seed)
+    for each in todo:
+        print(f"task: {each.question}")
+        grades.append(grade(each, solve(client, model, each.question, args, show=True)))
+        wanted = ", ".join(f"{name}({json.dumps(arguments)})" for name, arguments in each.calls)
+        print(f"  wanted {wanted} -> {' and '.join(map(repr, each.answers))}: calls {'made' if grades[-1].calls else 'not made'}, "
               f"answer {'right' if grades[-1].answer else 'wrong'}: {'solved' if grades[-1].solved else 'not solved'}")
     solved = sum(g.solved for g in grades)
+    by_calls = {}  # calls a task needs: [solved, tasks]
+    for each, g in zip(todo, grades):
+        by_calls.setdefault(len(each.calls), [0, 0])[0] += g.solved
+        by_calls[len(each.calls)][1] += 1
     print(f"solved {solved} of {len(grades)} tasks ({model}, first call {args.first_call}): the right calls in "
-          f"{sum(g.calls for g in grades)}, the right answer in {sum(g.answer for g in grades)}")
+          f"{sum(g.calls for g in grades)}, the right answer in {sum(g.answer for g in grades)}; "
+          + ", ".join(f"{n}-call tasks {s} of {t}" for n, (s, t) in sorted(by_calls.items())))
     if args.json:
         print(json.dumps({"model": model, "tasks": len(grades), "solved": solved,
                           "success_rate": round(solved / len(grades), 3), "right_calls": sum(g.calls for g in grades),
-                          "right_answers": sum(g.answer for g in grades), "first_call": args.first_call}))
+                          "right_answers": sum(g.answer for g in grades), "first_call": args.first_call,
+                          "by_calls": {str(n): {"solved": s, "tasks": t} for n, (s, t) in sorted(by_calls.items())}}))
     return 0
 
 

@@ -25,6 +25,28 @@ def test_every_task_has_answers_and_asks_about_held_out_modules():
             assert f" {module} " not in f" {task.question.rstrip('?.')} ", (module, task.question)
 
 
+def test_drawn_tasks_alternate_one_and_two_calls_over_held_out_modules_with_computed_answers():
+    drawn = agent.drawn_tasks(40, seed=3)
+    assert drawn == agent.drawn_tasks(40, seed=3) != agent.drawn_tasks(40, seed=4)
+    assert [len(task.calls) for task in drawn] == [1, 2] * 20
+    for task in drawn:
+        for name, arguments in task.calls:
+            assert name in {tool["function"]["name"] for tool in agent.TOOLS}
+            assert arguments.get("module", "bisect") in stdlib_tools.HELD_OUT_MODULES
+        assert all(text and not text.startswith("error") and text != "no docstring" for text in task.answers)
+        # Solved by its own calls and an answer holding its texts; a two-call task by
+        # both calls only.
+        answer = " and ".join(task.answers)
+        assert agent.grade(task, agent.Trace(list(task.calls), answer)).solved
+        if len(task.calls) == 2:
+            assert not agent.grade(task, agent.Trace(list(task.calls[:1]), answer)).solved
+        if task.calls[-1][0] == "calculate" and len(task.calls) == 2:  # the count, then arithmetic on it
+            count = stdlib_tools.run_tool(*task.calls[0])
+            assert task.calls[1][1]["expression"].startswith(f"{count} ")
+            value = stdlib_tools.run_tool("calculate", task.calls[1][1])
+            assert task.answers == (value,) and value != count
+
+
 def test_a_task_is_solved_by_its_calls_and_answer_and_not_by_luck():
     by_question = {task.question: task for task in agent.tasks()}
     bisect = by_question["How many public names does the bisect module define?"]

@@ -118,6 +118,29 @@ def test_training_asks_about_thousands_of_names_so_that_the_model_must_copy_them
     assert held and held <= set(tool_data._WORDS)
 
 
+def test_multi_call_draws_that_share_of_episodes_as_chains_and_parallel_calls():
+    """`v41 train-tools --multi-call`: 0 is the default mix, draw for draw; 1 makes every
+    tool episode a chain or parallel calls (the chats offered no tools stay)."""
+    import random
+
+    def kinds(multi_call: float, n: int = 300) -> list[str]:
+        rng = random.Random("multi")
+        return [tool_data.conversation(rng, multi_call=multi_call).kind for _ in range(n)]
+
+    default = kinds(0.0)
+    rng_a, rng_b = random.Random(1), random.Random(1)
+    assert [tool_data.conversation(rng_a) for _ in range(30)] == \
+        [tool_data.conversation(rng_b, multi_call=0.0) for _ in range(30)]
+    every = kinds(1.0)
+    assert {part for kind in every for part in kind.split("+")} == {"chain", "parallel", "no_tools"}
+    multi = sum(kind != "no_tools" and all(p in ("chain", "parallel") for p in kind.split("+")) for kind in every)
+    assert multi > 0.8 * len(every)
+    def share(drawn: list[str]) -> float:
+        return sum(any(p in ("chain", "parallel") for p in kind.split("+")) for kind in drawn) / len(drawn)
+
+    assert share(default) < 0.25 and share(kinds(0.3)) > 0.35
+
+
 def test_conversations_are_seeded_and_their_calls_are_valid_and_offered():
     assert tool_data.conversations(20, "train", 3) == tool_data.conversations(20, "train", 3)
     assert tool_data.conversations(20, "train", 3) != tool_data.conversations(20, "train", 4)

@@ -399,3 +399,10 @@ def test_repeat_accuracy_scores_a_perfect_copier_one_and_an_echo_near_zero():
     assert repeats.accuracy(_Copier(512), None, seed=0, reference=True) == [1.0, 1.0, 1.0]
     echo = repeats.accuracy(_Copier(512, echo=True), None, seed=0, reference=True)
     assert max(echo) < 0.05  # right only where a token happens to repeat itself
+
+
+def test_train_tools_refuses_a_multi_call_share_outside_0_to_1(tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["train-tools", "--out", str(tmp_path / "x"), "--steps", "1", "--multi-call", "1.5"]) == 2
+    assert "--multi-call must be a share in [0, 1]" in capsys.readouterr().err and not (tmp_path / "x").exists()

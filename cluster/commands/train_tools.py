@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--induction", type=int, default=4,
                         help="random-token repeat rows per step over the whole vocabulary (keeps the copying "
                              "that `train-small`'s induction curriculum taught; 0: none)")
+    parser.add_argument("--multi-call", type=float, default=0.0,
+                        help="share of tool episodes drawn as multi-call (a chain or parallel calls) before the "
+                             "default mix, which has 17%% of them")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--content-weight", type=float, default=1.0,
                         help="loss weight of argument values and answer text (the format's tokens: 1)")
@@ -96,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from model.loader import Checkpoint, CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
 
     check_bounded(args.minutes, args.steps)
+    if not 0.0 <= args.multi_call <= 1.0:
+        raise UserError(f"--multi-call must be a share in [0, 1], not {args.multi_call}")
     try:
         checkpoint = load_checkpoint(args.checkpoint)
         hasher = load_hasher(args.checkpoint, checkpoint.config)
@@ -160,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
             break
         tick = time.time()
         training.set_lr(optimizers, training.lr_factor(progress, warmup=0.05))
-        rendered = [tool_data.render(template, tool_data.conversation(rng)) for _ in range(args.batch)]
+        rendered = [tool_data.render(template, tool_data.conversation(rng, multi_call=args.multi_call))
+                    for _ in range(args.batch)]
         ids, mask = _pad([(r.ids, [args.content_weight if c else float(t) for t, c in zip(r.targets, r.content)])
                           for r in rendered], pad)
         seen += sum(sum(r.targets) for r in rendered)
@@ -216,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         "source": str(args.checkpoint), "steps": step, "train_seconds": round(elapsed, 1),
         "conversations": step * args.batch, "target_tokens": seen, "batch": args.batch,
         "replay_batch": args.replay_batch, "replay_weight": args.replay_weight, "chat": args.chat, "copy": args.copy, "seq_len": args.seq_len, "lr": args.lr,
-        "content_weight": args.content_weight,
+        "content_weight": args.content_weight, "multi_call": args.multi_call,
         "held_out_corpus_loss": {"before": round(held_before, 4), "after": round(held_after, 4)},
         "induction": args.induction,
         "repeat_accuracy": {"lengths": list(INDUCTION_PROBES), "before": repeats_before, "after": repeats_after},
