@@ -229,7 +229,7 @@ def test_train_tools_fine_tunes_and_saves_a_loadable_checkpoint(tmp_path):
     assert report["steps"] == 2 and report["target_tokens"] > 100
     assert set(report["held_out_corpus_loss"]) == {"before", "after"}
     assert report["induction"] == 4 and len(report["log"]["repeat_loss"]) == 2
-    assert report["repeat_accuracy"]["lengths"] == [10, 20, 40]
+    assert report["repeat_accuracy"]["lengths"] == [10, 20, 40, 70, 128]  # (in the 64-token window, past it)
     assert all(0 <= a <= 1 for key in ("before", "after") for a in report["repeat_accuracy"][key])
     before, after = load_checkpoint(SMALL), load_checkpoint(out)
     moved = [name for name, p in after.backbone.named_parameters()

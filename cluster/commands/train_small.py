@@ -358,9 +358,10 @@ class Repeats:
         return training.masked_lm_loss(result.logits, ids, weights), result
 
     def accuracy(self, model, hasher, seed: int, stage: int | None = None, rows: int = 16,
-                 reference: bool = False) -> list[float]:
-        """Greedy next-token accuracy on the weighted positions, per probe length of
-        ``INDUCTION_PROBES`` (its own generator: probing leaves the training RNG alone)."""
+                 reference: bool = False, lengths: tuple[int, ...] = INDUCTION_PROBES) -> list[float]:
+        """Greedy next-token accuracy on the weighted positions, per probe length (of
+        ``INDUCTION_PROBES`` unless given; its own generator: probing leaves the training
+        RNG alone)."""
         import torch
 
         from model import training
@@ -370,7 +371,7 @@ class Repeats:
         model.eval()
         out = []
         with torch.no_grad():
-            for length in INDUCTION_PROBES:
+            for length in lengths:
                 ids, weights = self.sample(rows, generator, length, stage)
                 engram_ids = _engram_ids(hasher, ids)
                 logits = model(ids, engram_ids) if reference else training.train_forward(model, ids, engram_ids).logits

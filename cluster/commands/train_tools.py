@@ -123,7 +123,12 @@ def run(args: argparse.Namespace) -> int:
     eval_rows = _held_out_rows(token_stream(bpe, corpus.held_out), args.seq_len, 32)
     held_before = evaluate(model, hasher, eval_rows, 8, reference=True)
     repeats = Repeats(checkpoint.config.text.vocab_size, stage=len(INDUCTION_ALPHABETS) - 1)
-    repeats_before = repeats.accuracy(model, hasher, seed=args.seed, reference=True)
+    # Probes inside the sliding window, and past it (a copy from there goes through the
+    # compressed and indexer-selected attention: what a second call needs to copy an
+    # operand out of the question).
+    window = checkpoint.config.text.sliding_window
+    probes = (*INDUCTION_PROBES, window + 6, 2 * window)
+    repeats_before = repeats.accuracy(model, hasher, seed=args.seed, reference=True, lengths=probes)
     print(f"held-out corpus loss before: {held_before:.4f}; repeats {repeats_before}", file=sys.stderr)
 
     torch.manual_seed(args.seed)
@@ -155,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
         tmp.replace(state_dir / "state.pt")
 
     budget = time_budget(args.minutes, args.steps, MINUTES)
-    window = checkpoint.config.text.sliding_window
     pad = tokenizer.special.pad
     last_save = time.time()
     model.train()
@@ -214,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                 shutil.copyfile(args.checkpoint / name, out / name)
     saved = load_checkpoint(out)
     held_after = evaluate(saved.backbone, hasher, eval_rows, 8, reference=True)
-    repeats_after = repeats.accuracy(saved.backbone, hasher, seed=args.seed, reference=True)
+    repeats_after = repeats.accuracy(saved.backbone, hasher, seed=args.seed, reference=True, lengths=probes)
     print(f"held-out corpus loss: {held_before:.4f} before, {held_after:.4f} after; "
           f"repeats {repeats_before} before, {repeats_after} after", file=sys.stderr)
     evaluation = evaluate_tools(out, args.eval) if args.eval else None
@@ -225,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         "content_weight": args.content_weight, "multi_call": args.multi_call,
         "held_out_corpus_loss": {"before": round(held_before, 4), "after": round(held_after, 4)},
         "induction": args.induction,
-        "repeat_accuracy": {"lengths": list(INDUCTION_PROBES), "before": repeats_before, "after": repeats_after},
+        "repeat_accuracy": {"lengths": list(probes), "before": repeats_before, "after": repeats_after},
         "evaluation": evaluation, "log": log,
     }
     earlier = args.checkpoint / "tool_training.json"
