@@ -135,6 +135,7 @@ def test_multi_call_draws_that_share_of_episodes_as_chains_and_parallel_calls():
     assert {part for kind in every for part in kind.split("+")} == {"chain", "parallel", "no_tools"}
     multi = sum(kind != "no_tools" and all(p in ("chain", "parallel") for p in kind.split("+")) for kind in every)
     assert multi > 0.8 * len(every)
+
     def share(drawn: list[str]) -> float:
         return sum(any(p in ("chain", "parallel") for p in kind.split("+")) for kind in drawn) / len(drawn)
 
