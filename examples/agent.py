@@ -66,12 +66,18 @@ def task(question: str, *calls: Call, answers: tuple[str, ...] = ()) -> Task:
     return Task(question, calls, answers or tuple(run_tool(name, arguments) for name, arguments in calls))
 
 
+def arithmetic_on(question: str, first: Call, op: str, k: int) -> Task:
+    """A two-call task: ``first``, then ``calculate`` of its result ``op`` ``k``, whose
+    value is the answer."""
+    expression = f"{run_tool(*first)} {op} {k}"
+    return task(question, first, ("calculate", {"expression": expression}),
+                answers=(run_tool("calculate", {"expression": expression}),))
+
+
 def tasks() -> list[Task]:
     """The built-in tasks, with answers computed here. The modules are ones the small
     model's tool fine-tune held out."""
     assert {"bisect", "glob", "json", "pprint", "lzma", "html", "token", "re", "weakref"} <= set(HELD_OUT_MODULES)
-    glob_names = run_tool("count_names", {"module": "glob"})
-    re_lines = run_tool("count_lines", {"module": "re"})
     return [
         task("How many public names does the bisect module define?", ("count_names", {"module": "bisect"})),
         task("What is (48 + 17) * 6?", ("calculate", {"expression": "(48 + 17) * 6"})),
@@ -80,12 +86,8 @@ def tasks() -> list[Task]:
         task("What is the lzma module for?", ("module_doc", {"module": "lzma"})),
         task("How many public names do html and token define?",
              ("count_names", {"module": "html"}), ("count_names", {"module": "token"})),
-        task("How many public names does glob have, times 3?", ("count_names", {"module": "glob"}),
-             ("calculate", {"expression": f"{glob_names} * 3"}),
-             answers=(run_tool("calculate", {"expression": f"{glob_names} * 3"}),)),
-        task("How many source lines does re have, plus 10?", ("count_lines", {"module": "re"}),
-             ("calculate", {"expression": f"{re_lines} + 10"}),
-             answers=(run_tool("calculate", {"expression": f"{re_lines} + 10"}),)),
+        arithmetic_on("How many public names does glob have, times 3?", ("count_names", {"module": "glob"}), "*", 3),
+        arithmetic_on("How many source lines does re have, plus 10?", ("count_lines", {"module": "re"}), "+", 10),
         task("Is 1001 a prime number?", ("is_prime", {"n": 1001}), answers=("No",)),
         task("Is 9973 prime?", ("is_prime", {"n": 9973}), answers=("Yes",)),
         task("Compute 777 * 23.", ("calculate", {"expression": "777 * 23"})),
@@ -98,12 +100,7 @@ def drawn_tasks(n: int, seed: int = 0) -> list[Task]:
     call and two, with answers computed here."""
     rng = random.Random(f"agent-tasks:{seed}")
     modules = sorted(HELD_OUT_MODULES)
-
-    def then(first: Call, question: str, op: str) -> Task:
-        k = rng.randint(2, 20)
-        expression = f"{run_tool(*first)} {op} {k}"
-        return task(question.format(k=k), first, ("calculate", {"expression": expression}),
-                    answers=(run_tool("calculate", {"expression": expression}),))
+    documented = [m for m in modules if run_tool("module_doc", {"module": m}) != "no docstring"]
 
     def one_call() -> Task:
         module, kind = rng.choice(modules), rng.randrange(5)
@@ -112,7 +109,7 @@ def drawn_tasks(n: int, seed: int = 0) -> list[Task]:
         if kind == 1:
             return task(f"How many lines of source does {module} have?", ("count_lines", {"module": module}))
         if kind == 2:
-            module = rng.choice([m for m in modules if run_tool("module_doc", {"module": m}) != "no docstring"])
+            module = rng.choice(documented)
             return task(f"What is the {module} module for?", ("module_doc", {"module": module}))
         if kind == 3:
             number = rng.randint(100, 9999)
@@ -124,11 +121,13 @@ def drawn_tasks(n: int, seed: int = 0) -> list[Task]:
     def two_calls() -> Task:
         module, kind = rng.choice(modules), rng.randrange(3)
         if kind == 0:
-            return then(("count_names", {"module": module}), f"How many public names does {module} have, times {{k}}?",
-                        "*")
+            k = rng.randint(2, 20)
+            return arithmetic_on(f"How many public names does {module} have, times {k}?",
+                                 ("count_names", {"module": module}), "*", k)
         if kind == 1:
-            return then(("count_lines", {"module": module}), f"How many source lines does {module} have, plus {{k}}?",
-                        "+")
+            k = rng.randint(2, 20)
+            return arithmetic_on(f"How many source lines does {module} have, plus {k}?",
+                                 ("count_lines", {"module": module}), "+", k)
         other = rng.choice([m for m in modules if m != module])
         return task(f"How many public names do {module} and {other} define?", ("count_names", {"module": module}),
                     ("count_names", {"module": other}))
