@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.commands import check_bounded, minutes_argument, time_budget
+from cluster.commands import check_bounded, keep_heap, minutes_argument, time_budget
 
 MINUTES = 15.0  # the time budget when neither --minutes nor --steps is given
 
@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from model.runtime.speculative import Calibration, SpeculativeDrafter
 
     check_bounded(args.minutes, args.steps)
+    keep_heap()
     out = args.out or args.checkpoint
     try:
         checkpoint = load_checkpoint(args.checkpoint, keep_stored=True)  # the frozen backbone re-saves byte for byte

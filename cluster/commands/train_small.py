@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.commands import check_bounded, minutes_argument, time_budget
+from cluster.commands import check_bounded, keep_heap, minutes_argument, time_budget
 
 MINUTES = 45.0  # the time budget when neither --minutes nor --steps is given
 
@@ -431,6 +431,7 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out
     state_dir = out / "train-state"
     check_bounded(args.minutes, args.steps)
+    keep_heap()
     if args.induction_phase and args.induction <= 0:
         raise UserError("--induction-phase needs repeat rows: give --induction N with N > 0")
     if not 0.0 <= args.induction_at < 1.0:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.commands import check_bounded, minutes_argument, time_budget
+from cluster.commands import check_bounded, keep_heap, minutes_argument, time_budget
 
 MINUTES = 45.0  # the time budget when neither --minutes nor --steps is given
 
@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from model.loader import Checkpoint, CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
 
     check_bounded(args.minutes, args.steps)
+    keep_heap()
     if not 0.0 <= args.multi_call <= 1.0:
         raise UserError(f"--multi-call must be a share in [0, 1], not {args.multi_call}")
     try:

@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from cluster.commands import keep_heap
+
 PROMPT = "Transcribe the code in the image:\n"
 VISION = {"hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
           "max_image_tokens": 256, "min_pixels": 84 * 84}
@@ -177,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         result = evaluate(args.checkpoint, args.eval)
         print(json.dumps({k: v for k, v in result.items() if k != "examples"}))
         return 0
+    keep_heap()
     torch.manual_seed(args.seed)
     checkpoint = load_checkpoint(args.checkpoint, keep_stored=True)
     backbone, text = checkpoint.backbone, checkpoint.config.text
