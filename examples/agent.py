@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import openai
 
 from cluster.stdlib_tools import HELD_OUT_MODULES, run_tool, tools
+from model.tools import DSML
 
 # The tools offered on every step (the shipped small model was fine-tuned on 2 to 6
 # offered tools, among 28: `v41 train-tools`).
@@ -164,8 +165,10 @@ class Grade:
 
 
 def grade(task: Task, trace: Trace) -> Grade:
+    """An answer is text: a call the server could not parse comes back as content (its
+    DSML markup), and holding the right number inside it is no answer."""
     calls = all(any(same_call(made, wanted) for made in trace.calls) for wanted in task.calls)
-    answer = all(re.search(rf"(?<!\w){re.escape(text)}(?!\w)", trace.answer, re.IGNORECASE) for text in task.answers)
+    answer = DSML not in trace.answer and all(re.search(rf"(?<!\w){re.escape(text)}(?!\w)", trace.answer, re.IGNORECASE) for text in task.answers)
     return Grade(calls, answer)
 
 

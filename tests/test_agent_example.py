@@ -58,6 +58,9 @@ def test_a_task_is_solved_by_its_calls_and_answer_and_not_by_luck():
     luck = agent.grade(bisect, agent.Trace([("count_names", {"module": "bz2"})], f"bz2 defines {count}."))
     assert luck.answer and not luck.calls and not luck.solved
     assert not agent.grade(bisect, agent.Trace(right.calls, f"bisect defines {int(count) + 1} names.")).solved
+    # A call left unparsed (its markup returned as content) that holds the number.
+    unparsed = f'<｜DSML｜ calls>\n<｜DSML｜ invoke name="calculate">\n<｜DSML｜ parameter name="expression" string="true">{count} + {count}'
+    assert not agent.grade(bisect, agent.Trace(right.calls, unparsed)).answer
     # An expression is compared by its value; numbers as written, not by type.
     product = by_question["What is (48 + 17) * 6?"]
     assert agent.grade(product, agent.Trace([("calculate", {"expression": "65*6"})], "It is 390.")).solved
