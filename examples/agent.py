@@ -168,7 +168,8 @@ def grade(task: Task, trace: Trace) -> Grade:
     """An answer is text: a call the server could not parse comes back as content (its
     DSML markup), and holding the right number inside it is no answer."""
     calls = all(any(same_call(made, wanted) for made in trace.calls) for wanted in task.calls)
-    answer = DSML not in trace.answer and all(re.search(rf"(?<!\w){re.escape(text)}(?!\w)", trace.answer, re.IGNORECASE) for text in task.answers)
+    answer = DSML not in trace.answer and all(re.search(rf"(?<!\w){re.escape(text)}(?!\w)", trace.answer, re.IGNORECASE)
+                                              for text in task.answers)
     return Grade(calls, answer)
 
 
