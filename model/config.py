@@ -454,6 +454,12 @@ class ModelConfig:
             raise ConfigError(f"{path} must hold a JSON object")
         return cls.from_dict(raw)
 
+    def with_window(self, sliding_window: int) -> "ModelConfig":
+        """This model with another sliding window. No weight's shape depends on it, so a
+        checkpoint pretrained at 64 tokens can be fine-tuned at the release's 128."""
+        text = dataclasses.replace(self.text, sliding_window=sliding_window)._validated()
+        return dataclasses.replace(self, text=text)
+
 
 def _known_keys(cls, raw: dict[str, Any], section: str) -> dict[str, Any]:
     """The fields of dataclass ``cls`` in ``raw`` (lists frozen to tuples); a key it does

@@ -192,8 +192,10 @@ _PART_PREFIXES = {"drafter": ("mtp.",), "vision": ("vision.", "aligner.", "image
 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", keep_stored: bool = False,
-                    shard: ExpertShard | None = None, vision: bool = True) -> Checkpoint:
-    """Build every part of the checkpoint from ``config.json`` and load its weights.
+                    shard: ExpertShard | None = None, vision: bool = True,
+                    config: ModelConfig | None = None) -> Checkpoint:
+    """Build every part of the checkpoint from ``config.json`` (or ``config``, whose
+    tensors' shapes must be the checkpoint's) and load its weights.
 
     The drafter and the vision tower are loaded when the checkpoint has their tensors
     (a checkpoint with none of a part's tensors loads without that part). With
@@ -203,7 +205,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", k
     the vision tower's tensors are not read either (a decoder replica holds none).
     """
     directory = Path(directory)
-    config = ModelConfig.load(directory)
+    config = config or ModelConfig.load(directory)
     meta = build_modules(config, "meta")
     if shard is not None:
         if shard.rank != 0:

@@ -224,13 +224,20 @@ def test_train_tools_fine_tunes_and_saves_a_loadable_checkpoint(tmp_path):
 
     out = tmp_path / "tools"
     run = subprocess.run([sys.executable, "-m", "cluster.cli", "train-tools", "--out", str(out), "--steps", "2",
-                          "--max-files", "100", "--eval", "0"], capture_output=True, text=True, timeout=900)
+                          "--max-files", "100", "--eval", "0", "--window", "64"],
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((out / "tool_training.json").read_text())
     assert report["steps"] == 2 and report["target_tokens"] > 100
     assert set(report["held_out_corpus_loss"]) == {"before", "after"}
     assert report["induction"] == 4 and len(report["log"]["repeat_loss"]) == 2
-    assert report["repeat_accuracy"]["lengths"] == [10, 20, 40, 70, 128]  # (in the 64-token window, past it)
+    # --window: fine-tuned and saved at 64, not the shipped checkpoint's 128; repeats probed
+    # inside that window, just past it and at twice it.
+    def window(directory):
+        return json.loads((directory / "config.json").read_text())["text_config"]["sliding_window"]
+
+    assert window(out) == report["window"] == 64 and window(SMALL) == 128
+    assert report["repeat_accuracy"]["lengths"] == [10, 20, 40, 70, 128]
     assert all(0 <= a <= 1 for key in ("before", "after") for a in report["repeat_accuracy"][key])
     before, after = load_checkpoint(SMALL), load_checkpoint(out)
     moved = [name for name, p in after.backbone.named_parameters()

@@ -21,21 +21,22 @@ def test_the_shipped_model_calls_the_right_tool_on_held_out_modules():
     # Constrained decoding: every forced call that ends is well formed (the grammar; one
     # may run to the token limit inside a string).
     assert held["call_constrained"]["well_formed"] + held["call_constrained"]["cut_at_max_tokens"] == 1.0
-    # About modules the fine-tune never saw (measured on these 12: free 0.7 well formed,
-    # right function 0.3, exact arguments 0.1; constrained 0.5 and 0.2; on 100 held-out
-    # conversations in docs/training.md). Exact arguments are copied from the question:
-    # the model before this one (no induction heads) wrote none exactly here.
-    assert held["call"]["well_formed"] >= 0.5
-    assert held["call_constrained"]["right_function"] >= 0.3
-    assert max(held["call"]["exact"], held["call_constrained"]["exact"]) >= 0.1
+    # About modules the fine-tune never saw (measured on these 10 call turns: free 0.9 well
+    # formed, right function 0.5, exact arguments 0.4; constrained 0.7 and 0.4; on 100
+    # held-out conversations in docs/training.md; margins of one or two turns). Exact
+    # arguments are copied from the question: a model without induction heads wrote none
+    # exactly here.
+    assert held["call"]["well_formed"] >= 0.7
+    assert held["call_constrained"]["right_function"] >= 0.5
+    assert max(held["call"]["exact"], held["call_constrained"]["exact"]) >= 0.3
     assert held["answer"]["no_call"] >= 0.9  # answers after tool results call nothing
-    assert held["answer"]["has_result"] >= 0.25  # and hold the result (0.417 measured)
+    assert held["answer"]["has_result"] >= 0.4  # and hold the result (0.5 measured)
 
 
 def test_the_shipped_model_copies_a_sequence_it_has_not_seen():
     """Induction: ``<bos> x x`` for random distinct tokens ``x`` over the whole vocabulary,
     the second ``x`` predicted greedily (the reference forward on the stored FP8/FP4
-    weights). Measured 0.750 / 0.720 / 0.726 at L = 10 / 20 / 40; a model trained on code
+    weights). Measured 0.812 / 0.747 / 0.779 at L = 10 / 20 / 40; a model trained on code
     alone predicts none of it (0.000), whatever its loss."""
     from cluster.commands.train_small import INDUCTION_ALPHABETS, INDUCTION_PROBES, Repeats
     from model.loader import load_checkpoint, load_hasher
@@ -76,8 +77,10 @@ def test_the_example_agent_solves_tasks_against_the_served_model(tmp_path):
     """examples/agent.py against the app serving the shipped model (DSpark on, as `v41
     serve` runs it), as `python examples/agent.py --tasks` runs it: the model's calls are
     executed here, their results go back, and the answer is graded (the right calls and the
-    right text). The shipped model solves these three of the twelve held-out tasks; a
-    margin of one for rounding that differs between CPUs. The model before it solved none."""
+    right text). The shipped model solves these four of the twelve held-out tasks, one of
+    them two calls whose second copies the question's number from ~100 tokens back (inside
+    its 128-token window); a margin of one for rounding that differs between CPUs. The
+    model before it, with a 64-token window, solved none of the two-call tasks."""
     import argparse
 
     import openai
@@ -93,9 +96,9 @@ def test_the_example_agent_solves_tasks_against_the_served_model(tmp_path):
     with running_app(tmp_path, model=str(SMALL)) as (url, _):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
-        for question in ("How many public names does the bisect module define?",
-                         "How many lines of source does pprint have?", "Is 9973 prime?"):
+        for question in ("Does the json module define loads?", "How many lines of source does pprint have?",
+                         "How many source lines does re have, plus 10?", "Is 9973 prime?"):
             trace = agent.solve(client, model, question, args, show=False)
             assert trace.calls and all(name in offered for name, _ in trace.calls), trace
             grades.append(agent.grade(by_question[question], trace))
-    assert sum(grade.solved for grade in grades) >= 2, grades
+    assert sum(grade.solved for grade in grades) >= 3, grades

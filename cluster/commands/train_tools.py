@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--multi-call", type=float, default=0.0,
                         help="share of tool episodes drawn as multi-call (a chain or parallel calls) before the "
                              "default mix, which has 17%% of them")
+    parser.add_argument("--window", type=int, default=None,
+                        help="fine-tune (and save) at this sliding window (default: the checkpoint's; "
+                             "the release's: 128)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--content-weight", type=float, default=1.0,
                         help="loss weight of argument values and answer text (the format's tokens: 1)")
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from model import training
     from model.chat import ChatTemplate, Tokenizer
-    from model.config import ConfigError
+    from model.config import ConfigError, ModelConfig
     from model.loader import Checkpoint, CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
 
     check_bounded(args.minutes, args.steps)
@@ -103,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.multi_call <= 1.0:
         raise UserError(f"--multi-call must be a share in [0, 1], not {args.multi_call}")
     try:
-        checkpoint = load_checkpoint(args.checkpoint)
+        config = ModelConfig.load(args.checkpoint)
+        if args.window is not None:
+            config = config.with_window(args.window)
+        checkpoint = load_checkpoint(args.checkpoint, config=config)
         hasher = load_hasher(args.checkpoint, checkpoint.config)
         bpe = load_tokenizer(args.checkpoint)
         tokenizer = Tokenizer.from_dir(args.checkpoint)
@@ -228,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         "conversations": step * args.batch, "target_tokens": seen, "batch": args.batch,
         "replay_batch": args.replay_batch, "replay_weight": args.replay_weight, "chat": args.chat, "copy": args.copy, "seq_len": args.seq_len, "lr": args.lr,
         "content_weight": args.content_weight, "multi_call": args.multi_call,
+        "window": checkpoint.config.text.sliding_window,
         "held_out_corpus_loss": {"before": round(held_before, 4), "after": round(held_after, 4)},
         "induction": args.induction,
         "repeat_accuracy": {"lengths": list(probes), "before": repeats_before, "after": repeats_after},
