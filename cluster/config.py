@@ -69,10 +69,13 @@ class AppConfig(BaseModel):
     max_request_bytes: PositiveInt = 4 << 20  # a bigger body is answered 413 before it is read
     max_tokens_default: PositiveInt = 256
     # Images (a model with a vision tower): per request at most this many, each at most
-    # this many encoded bytes and decoded pixels; file:// URLs only under image_dir.
+    # this many encoded bytes and decoded pixels, and all of them at most
+    # max_request_image_pixels (a 1-bit PNG of a few KB decodes to 3 bytes a pixel);
+    # file:// URLs only under image_dir.
     max_images_per_request: NonNegativeInt = 8
     max_image_bytes: PositiveInt = 8 << 20
     max_image_pixels: PositiveInt = 40_000_000
+    max_request_image_pixels: PositiveInt = 40_000_000
     image_dir: str | None = None
     max_model_len: PositiveInt = 16384
     chunk_tokens: PositiveInt = 64

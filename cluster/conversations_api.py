@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated
 
-from pydantic import Field, StringConstraints
+from pydantic import Field
 
 from cluster.openai_api import ApiError, _Schema, _validated
 # (``encoded``: a conversation's bytes in the store are JSON, as a stored response's)
 from cluster.responses_api import (  # noqa: F401
-    _ITEMS, _TAGS, _id, _Item, distinct, encoded, identified, items_page, listed)
+    _ITEMS, _TAGS, Metadata, _id, _Item, distinct, encoded, identified, items_page, listed)
 
 MAX_NEW_ITEMS = 20  # items one request may add (OpenAI's limit)
+# Items one conversation holds: each change rewrites the conversation's record whole.
+MAX_ITEMS = 10_000
 
-Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
-                          Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)]
 
 
 class ConversationCreate(_Schema):
@@ -81,6 +80,9 @@ def with_items(record: dict, items: list[dict], param: str = "items") -> dict:
     """The conversation with ``items`` added; a 400 naming ``param`` if one has the id
     of an item it holds."""
     distinct(items, record["items"], param)
+    if len(record["items"]) + len(items) > MAX_ITEMS:
+        raise ApiError(400, f"{param}: the conversation holds {len(record['items'])} items; with these it would "
+                            f"hold more than {MAX_ITEMS}", param)
     return _changed(record, items=[*record["items"], *items])
 
 

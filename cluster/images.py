@@ -17,6 +17,7 @@ import base64
 import binascii
 import hashlib
 import io
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -37,6 +38,7 @@ class ImageLimits:
     max_images: int = 8
     max_bytes: int = 8 << 20  # encoded, per image
     max_pixels: int = 40_000_000  # decoded width x height, per image (checked before decoding)
+    max_request_pixels: int = 40_000_000  # the same, of all a request's images together
     image_dir: str | None = None
 
 
@@ -57,9 +59,10 @@ class DecodedImage:
         return self.pixels.shape[2]
 
 
-def read_image(url: str, limits: ImageLimits) -> DecodedImage:
-    """The image an ``image_url`` part names."""
-    return decode_image(_image_bytes(url, limits), limits)
+def read_image(url: str, limits: ImageLimits, pixels_before: int = 0) -> DecodedImage:
+    """The image an ``image_url`` part names; ``pixels_before``: those of the request's
+    images before it."""
+    return decode_image(_image_bytes(url, limits), limits, pixels_before)
 
 
 def _image_bytes(url: str, limits: ImageLimits) -> bytes:
@@ -82,7 +85,10 @@ def _image_bytes(url: str, limits: ImageLimits) -> bytes:
         if not path.is_relative_to(root):
             raise ImageError(f"file URLs must name files under {root}")
         try:
-            size = path.stat().st_size
+            status = path.stat()
+            if not stat.S_ISREG(status.st_mode):  # (a FIFO or a device would block or never end)
+                raise ImageError(f"{path} is not a regular file")
+            size = status.st_size
             if size > limits.max_bytes:
                 raise ImageError(f"the image is over {limits.max_bytes} bytes")
             return path.read_bytes()
@@ -93,8 +99,9 @@ def _image_bytes(url: str, limits: ImageLimits) -> bytes:
     raise ImageError("an image URL must be a data: URL (or a file: URL when the server allows them)")
 
 
-def decode_image(raw: bytes, limits: ImageLimits) -> DecodedImage:
-    """Encoded image bytes (PNG, JPEG, GIF, WebP, BMP, ...) -> RGB pixels and digest."""
+def decode_image(raw: bytes, limits: ImageLimits, pixels_before: int = 0) -> DecodedImage:
+    """Encoded image bytes (PNG, JPEG, GIF, WebP, BMP, ...) -> RGB pixels and digest.
+    Its size is checked against the limits before anything is decoded."""
     from PIL import Image, UnidentifiedImageError
 
     if len(raw) > limits.max_bytes:
@@ -104,6 +111,8 @@ def decode_image(raw: bytes, limits: ImageLimits) -> DecodedImage:
             width, height = image.size
             if width * height > limits.max_pixels:
                 raise ImageError(f"the image is {width} x {height} pixels, over {limits.max_pixels}")
+            if pixels_before + width * height > limits.max_request_pixels:
+                raise ImageError(f"the request's images are over {limits.max_request_pixels} pixels in all")
             image.seek(0)
             rgb = to_rgb(image)
     except ImageError:

@@ -14,13 +14,14 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
 
 from model.chat import EFFORT_LEVELS, ImagePart, Message
+from model.runtime.grammar import GrammarError, SchemaCheck
 from model.runtime.sampling import SamplingParams, SamplingParamsError
 from model.tools import DSML, Content, ToolCall, ToolCallStream
 
@@ -55,7 +56,8 @@ class GenerationRequest:
     # answer is calls, by grammar), or "function" (a call of ``tool_name``, by grammar).
     tool_choice: str = "auto"
     tool_name: str | None = None
-    strict_tools: frozenset[str] = frozenset()  # tools whose calls must follow their schema
+    # The strict tools (whose calls must follow their schema), each with its compiled check.
+    tool_checks: Mapping[str, SchemaCheck] = field(default_factory=dict)
     parallel_tool_calls: bool = True
     # None, or the JSON the answer must be: {"schema": ...} (None: any object).
     response_format: dict | None = None
@@ -67,6 +69,10 @@ class GenerationRequest:
         seed = self.params.seed
         return [dataclasses.replace(self.params, seed=None if seed is None else (seed + i) % (1 << 63))
                 for i in range(self.n)]
+
+    @property
+    def strict_tools(self) -> frozenset[str]:
+        return frozenset(self.tool_checks)
 
     @property
     def parses_calls(self) -> bool:
@@ -118,6 +124,12 @@ OPENAI_EFFORT = {**EFFORT_LEVELS, "minimal": EFFORT_LEVELS["low"] // 2,
 
 
 _MAX_TOKENS_LIMIT = 1 << 20
+
+# Bounds on what a request may ask the server to compile or scan (a 400 names the
+# parameter): OpenAI's own where it documents one.
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_SCHEMA_BYTES = 64 << 10  # one tool's parameters, or a response format's schema, as JSON
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # the stop strings are scanned on the decoder's thread every step
 
 
 MAX_JSON_DEPTH = 64  # a chat request nests 5 deep; the limit only stops abuse
@@ -355,14 +367,10 @@ def _sampling(request: _Request, default_max: int, vocab_size: int | None = None
     if not 1 <= max_tokens <= _MAX_TOKENS_LIMIT:
         raise ApiError(400, "max_tokens must be a positive integer", "max_tokens")
     stop = request.stop
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif all(stop) and len(stop) <= 4:
-        stop = tuple(stop)
-    else:
-        raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if not (all(stop) and len(stop) <= MAX_STOPS and all(len(text) <= MAX_STOP_CHARS for text in stop)):
+        raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOPS} non-empty strings of at most "
+                            f"{MAX_STOP_CHARS} characters", "stop")
     try:
         return SamplingParams(
             temperature=1.0 if request.temperature is None else float(request.temperature),
@@ -394,9 +402,11 @@ def _stream_flags(request: _Request) -> tuple[bool, bool]:
 
 
 def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | None = None,
-               read_image: Callable[[str], tuple[int, Any]] | None = None, max_images: int = 0) -> GenerationRequest:
-    """``read_image(url)`` -> (positions the image's span takes, the decoded image), or
-    ValueError; None: this model reads no images."""
+               read_image: Callable[[str, tuple], tuple[int, Any]] | None = None,
+               max_images: int = 0) -> GenerationRequest:
+    """``read_image(url, the request's images decoded before it)`` -> (positions the
+    image's span takes, the decoded image), or ValueError; None: this model reads no
+    images."""
     request = _validated(ChatRequest, data)
     _check_model(request, model_name)
     messages, images = [], []
@@ -418,12 +428,11 @@ def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | 
             raise ApiError(400, f"messages[{i}]: {error}", "messages") from None
     thinking, effort = _effort(request.reasoning_effort)
     tools, choice, name = _tools(request)
-    strict = frozenset(tool.function.name for tool in request.tools or () if tool.function.strict)
     response_format = _response_format(request, choice)
     stream, include_usage = _stream_flags(request)
     return GenerationRequest(model_name, _sampling(request, default_max, vocab_size), stream, include_usage,
                              messages=tuple(messages), thinking=thinking, effort=effort, tools=tools,
-                             tool_choice=choice, tool_name=name, strict_tools=strict,
+                             tool_choice=choice, tool_name=name, tool_checks=_tool_checks(request),
                              parallel_tool_calls=request.parallel_tool_calls is not False,
                              response_format=response_format, n=_n(request), images=tuple(images))
 
@@ -435,7 +444,7 @@ def _image_part(part: _ImagePart, where: str, read_image, images: list, max_imag
     if len(images) >= max_images:
         raise ApiError(400, f"{param}: at most {max_images} images per request", param)
     try:
-        length, image = read_image(part.image_url.url)
+        length, image = read_image(part.image_url.url, tuple(image for _, image in images))
     except ValueError as error:
         raise ApiError(400, f"{param}: {error}", param) from None
     images.append((length, image))
@@ -454,7 +463,39 @@ def _response_format(request: ChatRequest, choice: str) -> dict | None:
         return {"schema": None}
     if form.json_schema is None:
         raise ApiError(400, "response_format.json_schema is required with type json_schema", "response_format")
-    return {"schema": form.json_schema.schema_ if form.json_schema.schema_ is not None else {}}
+    schema = form.json_schema.schema_ if form.json_schema.schema_ is not None else {}
+    check_schema(schema, "response_format", "response_format.json_schema.schema")
+    return {"schema": schema}
+
+
+def check_schema(schema: Any, param: str, where: str) -> None:
+    """A JSON schema a request gives (``where`` in it), bounded: at most
+    ``MAX_SCHEMA_BYTES`` as JSON, and every reference in it local (``#...``). Nothing a
+    schema names is ever retrieved: a ``$ref`` to a URL or a file is a 400 naming it."""
+    size = len(json.dumps(schema, ensure_ascii=False).encode("utf-8"))
+    if size > MAX_SCHEMA_BYTES:
+        raise ApiError(400, f"{where}: the schema is {size} bytes as JSON; the limit is {MAX_SCHEMA_BYTES}", param)
+    for path, reference in _references(schema, where):
+        if not (isinstance(reference, str) and reference.startswith("#")):
+            raise ApiError(400, f"{path}: {reference!r} is not a reference inside the schema ('#...'); this server "
+                                "retrieves nothing a request names", param)
+
+
+_REFERENCES = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _references(schema: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """(location, value) of each reference keyword in ``schema``, iteratively."""
+    stack = [(schema, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in _REFERENCES:
+                    yield f"{path}.{key}", item
+                stack.append((item, f"{path}.{key}"))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def _effort(name: str | None) -> tuple[bool, int | None]:
@@ -474,6 +515,10 @@ def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str, str | None]:
                                                      ("description", tool.function.description),
                                                      ("parameters", tool.function.parameters)) if value is not None}
                       for tool in request.tools or ())
+    if len(functions) > MAX_TOOLS:
+        raise ApiError(400, f"tools: {len(functions)} tools; the limit is {MAX_TOOLS}", "tools")
+    for i, function in enumerate(functions):
+        check_schema(function.get("parameters"), "tools", f"tools[{i}].function.parameters")
     names = [function["name"] for function in functions]
     if len(set(names)) != len(names):
         raise ApiError(400, "tools: two tools have the same name", "tools")
@@ -484,17 +529,27 @@ def _tools(request: ChatRequest) -> tuple[tuple[dict, ...], str, str | None]:
         choice, name = "function", choice.function.name
         if name not in names:
             raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-    for tool in request.tools or ():
-        if tool.function.strict:
-            import jsonschema
-
-            try:
-                jsonschema.validators.validator_for(tool.function.parameters or {}).check_schema(
-                    tool.function.parameters or {})
-            except jsonschema.SchemaError as error:
-                raise ApiError(400, f"tools: the parameters of strict tool {tool.function.name!r} are not a JSON "
-                                    f"schema: {error.message}", "tools") from None
     return functions, choice, name
+
+
+def _tool_checks(request: ChatRequest) -> dict[str, SchemaCheck]:
+    """Each strict tool's schema, checked to be one (against its metaschema, which
+    jsonschema bundles) and compiled for checking its calls (:func:`strict_calls`)."""
+    import jsonschema
+
+    checks = {}
+    for tool in request.tools or ():
+        if not tool.function.strict:
+            continue
+        schema = tool.function.parameters or {}
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+            checks[tool.function.name] = SchemaCheck(schema)
+        except (jsonschema.SchemaError, GrammarError) as error:
+            reason = error.message if isinstance(error, jsonschema.SchemaError) else str(error)
+            raise ApiError(400, f"tools: the parameters of strict tool {tool.function.name!r} are not a JSON "
+                                f"schema this server can enforce: {reason}", "tools") from None
+    return checks
 
 
 def parse_completion(data: dict, model_name: str, default_max: int, vocab_size: int) -> GenerationRequest:
@@ -532,26 +587,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def strict_calls(tools: Sequence[dict], strict: frozenset[str]) -> Callable[[ToolCall], bool] | None:
+def strict_calls(tools: Sequence[dict], checks: Mapping[str, SchemaCheck]) -> Callable[[ToolCall], bool] | None:
     """Whether a parsed call may be returned as a call: a strict tool's arguments must
-    follow its parameters' schema (checked with jsonschema; a forced call follows it by
-    construction, an ``auto`` one is checked here), and the tool must exist."""
-    if not strict:
+    follow its parameters' schema (a forced call follows it by construction, an
+    ``auto`` one is checked here, by :class:`SchemaCheck`), and the tool must exist."""
+    if not checks:
         return None
-    import jsonschema
-
-    schemas = {tool["name"]: tool.get("parameters") or {} for tool in tools}
+    names = {tool["name"] for tool in tools}
 
     def accept(call: ToolCall) -> bool:
-        if call.name not in schemas:
+        if call.name not in names:
             return False
-        if call.name not in strict:
-            return True
-        try:
-            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
-        except (jsonschema.ValidationError, jsonschema.SchemaError, json.JSONDecodeError):
-            return False
-        return True
+        check = checks.get(call.name)
+        return check is None or check.accepts(call.arguments)
 
     return accept
 
@@ -570,7 +618,7 @@ class ChatAnswer:
         self.reasoning_tokens = 0  # the reasoning's tokens, </think> included
         self._reasoning: list[str] | None = [] if request.thinking else None
         self._content: list[str] = []
-        self._calls = ToolCallStream(strict_calls(request.tools, request.strict_tools)) \
+        self._calls = ToolCallStream(strict_calls(request.tools, request.tool_checks)) \
             if request.parses_calls else None
         self.logprobs: list[dict] | None = [] if request.params.logprobs is not None else None
         self._unsent: list[dict] = []  # logprobs of tokens whose text is not out yet

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, StrictBool, Tag, TypeAdapter, ValidationError
+from pydantic import Discriminator, Field, StrictBool, StringConstraints, Tag, TypeAdapter, ValidationError
 
 from cluster.openai_api import (
     ApiError,
@@ -173,6 +173,12 @@ class _Reasoning(_Schema):
     summary: None = None  # the reasoning itself is returned (``content``), never a summary
 
 
+# A response's or a conversation's metadata, as OpenAI bounds it: 16 pairs, keys of at
+# most 64 characters, values of at most 512.
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                          Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)]
+
+
 class ResponsesRequest(_Schema):
     """What this server implements of a Responses request. ``user``,
     ``safety_identifier`` and ``prompt_cache_key`` are accepted and unused (tags;
@@ -198,7 +204,7 @@ class ResponsesRequest(_Schema):
     conversation: Annotated[str, Field(min_length=1)] | _ConversationRef | None = None
     background: StrictBool | None = None
     truncation: Literal["disabled"] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None

@@ -258,7 +258,7 @@ class Router:
         self.vision = self.model_config.vision
         self.image_token_id = self.model_config.image_token_id if self.vision is not None else None
         self.image_limits = ImageLimits(config.max_images_per_request, config.max_image_bytes,
-                                        config.max_image_pixels, config.image_dir)
+                                        config.max_image_pixels, config.max_request_image_pixels, config.image_dir)
         self.api_key = config.resolved_api_key()
         self.finished: deque[float] = deque(maxlen=4096)  # when requests ended (time.monotonic), for Retry-After
         self.waiting = 0  # dispatched requests without their first token yet
@@ -410,11 +410,12 @@ class Router:
         while len(self.resident) > 65536:
             self.resident.popitem(last=False)
 
-    def _read_image(self, url: str):
-        """(the positions its span takes, the decoded image) of an ``image_url``."""
+    def _read_image(self, url: str, earlier: tuple):
+        """(the positions its span takes, the decoded image) of an ``image_url``;
+        ``earlier``: the request's images before it (they share a budget of pixels)."""
         from model.vision import plan_image
 
-        image = read_image(url, self.image_limits)
+        image = read_image(url, self.image_limits, sum(image.height * image.width for image in earlier))
         return plan_image(image.height, image.width, self.vision).num_tokens, image
 
     def _prompt_images(self, request: api.GenerationRequest, tokens: list[int]) -> tuple:
@@ -438,6 +439,7 @@ class Router:
         return tuple(images)
 
     def _render(self, request: api.GenerationRequest) -> list[int]:
+        self._bound_prompt(request)
         if request.prompt is not None:
             if isinstance(request.prompt, tuple):
                 return list(request.prompt)
@@ -452,6 +454,20 @@ class Router:
                                         tools=request.tools)
         except ValueError as error:
             raise api.ApiError(400, str(error), "messages") from None
+
+    def _bound_prompt(self, request: api.GenerationRequest) -> None:
+        """A 400 before tokenising a prompt whose text is certainly longer than the
+        context: no token spells more than ``max_token_bytes`` bytes (nor characters), so
+        a text of C characters is at least C / max_token_bytes tokens."""
+        if isinstance(request.prompt, tuple):
+            return
+        chars = len(request.prompt) if request.prompt is not None else \
+            sum(len(message.content) + len(message.reasoning or "") for message in request.messages)
+        least = chars // self.tokenizer.max_token_bytes
+        if least + request.params.max_tokens > self.config.max_model_len:
+            param = "prompt" if request.prompt is not None else "messages"
+            raise api.ApiError(400, f"this request needs at least {least + request.params.max_tokens} tokens; the "
+                               f"context is {self.config.max_model_len}", param, code="context_length_exceeded")
 
     def _constrained(self, request: api.GenerationRequest) -> api.GenerationRequest:
         """The request with the grammar its answer must follow (``GenerationRequest.grammar``),
@@ -696,6 +712,16 @@ class Router:
         parsed = responses_api.parse_responses(*common, keeps=self.config.store_responses, history=history)
         return parsed.generation, parsed
 
+    def _prepare(self, endpoint: str, data: dict, history: list[dict]):
+        """(the generation request with its grammar, the Responses request it came from
+        or None, the prompt's ids): a request's CPU-heavy part, run off the event loop."""
+        parsed, responses = self._parse(endpoint, data, history)
+        try:
+            parsed = self._constrained(parsed)
+            return parsed, responses, self._render(parsed)
+        except api.ApiError as error:
+            raise (error if responses is None else responses.renamed(error)) from None
+
     async def _serve(self, request: Request, endpoint: str):
         """One request of ``endpoint`` (chat, completions or responses)."""
         chat, start, arrived = endpoint != "completions", time.perf_counter(), time.time()
@@ -704,14 +730,12 @@ class Router:
         try:
             self._authorize(request)
             body = await self._body(request)
-            # A big body is parsed off the event loop, so other clients' tokens keep flowing
-            # (images are decoded while parsing).
-            data = api.parse_json(body) if len(body) < 65536 else await asyncio.to_thread(api.parse_json, body)
+            # Parsing is off the event loop, so other clients' tokens keep flowing while a
+            # request's JSON is read, its images decoded, its grammar compiled, its prompt
+            # tokenised.
+            data = await asyncio.to_thread(api.parse_json, body)
             history = await self._continued(data) if endpoint == "responses" else []
-            parsed, responses = self._parse(endpoint, data, history) if len(body) < 65536 and len(history) < 64 else \
-                await asyncio.to_thread(self._parse, endpoint, data, history)
-            parsed = self._constrained(parsed)
-            tokens = self._render(parsed)
+            parsed, responses, tokens = await asyncio.to_thread(self._prepare, endpoint, data, history)
             rid = responses_api.response_id() if responses is not None else api.new_id("chatcmpl" if chat else "cmpl")
             dispatched = await self._events(parsed, tokens, rid, marks)
             marks["router_sent"] = time.time()

@@ -118,9 +118,9 @@ def arithmetic(expression: str) -> int | float:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or _bits(left) * abs(right) > _MAX_BITS):
                 raise ValueError("exponent too large")
-            return _OPERATORS[type(node.op)](left, right)
+            return _bounded(_OPERATORS[type(node.op)](left, right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
             return _OPERATORS[type(node.op)](value(node.operand))
         raise ValueError("only numbers and + - * / // % ** are allowed")
@@ -129,9 +129,26 @@ def arithmetic(expression: str) -> int | float:
     return int(result) if isinstance(result, float) and result.is_integer() and abs(result) < 2**53 else result
 
 
+_MAX_BITS = 4096  # no value of an expression is larger (``(9**64)**64**...`` would run for ever)
+
+
+def _bits(number: int | float) -> int:
+    return int(abs(number)).bit_length()
+
+
+def _bounded(number: int | float) -> int | float:
+    if _bits(number) > _MAX_BITS:
+        raise ValueError(f"the value is over 2**{_MAX_BITS}")
+    return number
+
+
 def module(name: str):
+    """One of ``MODULES``, imported (a model's call names it: any other standard-library
+    module, one that opens a browser or a window when imported among them, is refused)."""
     if not isinstance(name, str) or name not in sys.stdlib_module_names:
         raise ValueError(f"{name!r} is not a standard-library module")
+    if name not in MODULES:
+        raise ValueError(f"{name!r} is not one of the modules these tools read")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return importlib.import_module(name)

@@ -290,7 +290,7 @@ def test_image_parts_render_as_image_tokens_in_place(golden_dir):
 def test_the_api_reads_image_parts_and_names_mistakes():
     from cluster import openai_api as api
 
-    def read(url):
+    def read(url, earlier):
         if url == "bad":
             raise ValueError("the image cannot be decoded")
         return 6, f"image {url}"

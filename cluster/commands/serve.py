@@ -97,6 +97,10 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
             on_ray_starting()
         with _sigterm_handler_kept() if on_ray_starting is not None else contextlib.nullcontext():
             if address is None:
+                from cluster.commands.ray_token import ensure_private_token
+
+                if (warning := ensure_private_token()) is not None:
+                    logging.getLogger(__name__).warning(warning)
                 num_cpus = (num_cpus or os.cpu_count() or 1) + expert_worker_cpus(app_args)
                 ray.init(namespace="v41", object_store_memory=object_store_mb << 20, num_cpus=num_cpus,
                          include_dashboard=False, log_to_driver=False)

@@ -279,6 +279,34 @@ class GrammarCompiler:
         return Constraint(matcher, vocab_size, self.tokenizer.vocab_size, after, self.eos_token)
 
 
+class SchemaCheck:
+    """Whether a JSON text is a value of a JSON schema, decided by the engine that makes
+    answers follow schemas, fed the text byte by byte (llguidance's byte vocabulary):
+    linear in the text whatever the schema's ``pattern``s (a backtracking regex engine
+    runs for ever on a pattern such as ``(a+)+$`` and an answer that ``logit_bias`` can
+    steer), and a ``$ref`` outside the schema is an error, never a fetch. The schema is
+    compiled once; each check runs on a copy of the compiled matcher."""
+
+    def __init__(self, schema: dict):
+        try:
+            grammar = llguidance.grammar_from("json_schema", json.dumps(schema, ensure_ascii=False))
+            self._start = llguidance.LLMatcher(_byte_vocabulary(), grammar, log_level=0)
+        except (ValueError, RuntimeError, TypeError) as error:
+            raise GrammarError(str(error)) from None
+        if self._start.is_error():
+            raise GrammarError(self._start.get_error())
+
+    def accepts(self, text: str) -> bool:
+        matcher = self._start.deep_copy()
+        return matcher.consume_tokens(list(text.encode("utf-8"))) and matcher.is_accepting()
+
+
+@lru_cache(maxsize=1)
+def _byte_vocabulary() -> llguidance.LLTokenizer:
+    """llguidance's vocabulary of one token per byte (token id = the byte's value)."""
+    return llguidance.LLTokenizer("byte")
+
+
 @lru_cache(maxsize=256)
 def _compiled(grammar: str) -> str:
     try:
