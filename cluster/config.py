@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from storage.slots import default_ssd_dir
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = str(PROJECT_ROOT / "configs" / "small")
 
@@ -99,7 +101,9 @@ class AppConfig(BaseModel):
     prefill_parallel: ParallelConfig = ParallelConfig()
     redis_url: str | None = None
     redis_stores_bytes: bool = False
-    ssd_dir: str | None = "/tmp/v41-cache/{node}"
+    # The user's own cache folder ($XDG_CACHE_HOME/v41/v41-slots/{node}, else ~/.cache/...),
+    # resolved where the config is built; never a shared /tmp path (storage/slots.py).
+    ssd_dir: str | None = Field(default_factory=default_ssd_dir)
     ram_capacity_bytes: NonNegativeInt | None = None
     window_ttl_minutes: float = 30.0
     chunk_retention_hours: float = 72.0

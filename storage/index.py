@@ -126,7 +126,8 @@ class RedisIndex:
             return None
         result = []
         for members in rows:
-            locations = (Location.from_member(member.decode()) for member in members)
+            # (a member that is not UTF-8, planted or garbled, is no location: no lookup fails on it)
+            locations = (Location.from_member(member.decode("utf-8", "replace")) for member in members)
             result.append(tuple(sorted(location for location in locations if location is not None)))
         return result
 

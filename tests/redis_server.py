@@ -1,8 +1,9 @@
 """A real redis-server for tests: started on a free port, stopped at teardown.
 
 Use it with ``from tests.redis_server import redis_server`` in a test module. The
-fixture yields a ``storage.redis_server.RedisServer``: ``.url`` to connect, ``.kill()``
-to crash it and ``.start()`` to bring it back, empty, on the same port.
+fixture yields a ``storage.redis_server.RedisServer``: ``.url`` to connect (it carries
+the server's random password: a client without it is refused), ``.kill()`` to crash it
+and ``.start()`` to bring it back, empty, on the same port with the same password.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import yaml
 from cluster.cli import UserError
 from cluster.commands.serve import API_KEY_ENV, add_arguments, app_arguments
 from cluster.config import AppConfig
+from storage.slots import cache_home, slots_template
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,8 +26,7 @@ def parse(*argv: str) -> dict:
 def test_defaults_are_the_shipped_model_and_a_local_cache(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     args = parse()
-    assert args == {"model": str(ROOT / "configs" / "small"),
-                    "ssd_dir": str(Path(".v41/cache").resolve() / "{node}")}
+    assert args == {"model": str(ROOT / "configs" / "small"), "ssd_dir": slots_template(cache_home().resolve())}
 
 
 def test_a_serve_yaml_gives_its_first_applications_args_and_flags_win(tmp_path, monkeypatch):
@@ -34,13 +34,13 @@ def test_a_serve_yaml_gives_its_first_applications_args_and_flags_win(tmp_path, 
     yaml_args = yaml.safe_load((ROOT / "configs" / "serve-local.yaml").read_text())["applications"][0]["args"]
     args = parse("--config", str(ROOT / "configs" / "serve-local.yaml"), "--max-batch", "8", "--ram-gb", "1.5",
                  "--chunk-retention-hours", "24", "--encoder-replay-windows", "2")
-    assert args == {**yaml_args, "max_batch": 8, "ram_capacity_bytes": 3 << 29, "chunk_retention_hours": 24.0,
-                    "encoder_replay_windows": 2}
+    assert args == {**yaml_args, "ssd_dir": slots_template(cache_home().resolve()), "max_batch": 8,
+                    "ram_capacity_bytes": 3 << 29, "chunk_retention_hours": 24.0, "encoder_replay_windows": 2}
     assert AppConfig.from_args(args).retention().ram_capacity_bytes == 3 << 29
     plain = tmp_path / "args.yaml"
     plain.write_text("max_queued_requests: 32\nwindow_ttl_minutes: 5\n")
     args = parse("--config", str(plain), "--cache-dir", str(tmp_path / "c"))
-    assert args["max_queued_requests"] == 32 and args["ssd_dir"] == str(tmp_path / "c" / "{node}")
+    assert args["max_queued_requests"] == 32 and args["ssd_dir"] == str(tmp_path / "c" / "v41-slots" / "{node}")
 
 
 def test_expert_flags_split_the_pools_over_a_yamls_worker_resources(tmp_path, monkeypatch):
@@ -75,7 +75,8 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch)
 
 def test_an_external_redis_and_the_environment_for_a_cluster(monkeypatch, capsys):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert parse("--redis-url", "redis://:pw@redis.internal:6379/0")["redis_url"] == "redis://:pw@redis.internal:6379/0"
+    monkeypatch.delenv("V41_REDIS_PASSWORD", raising=False)  # (its password: tests/test_security_redis.py)
+    assert parse("--redis-url", "redis://redis.internal:6379/0")["redis_url"] == "redis://redis.internal:6379/0"
     from cluster.commands.serve import run
 
     parser = argparse.ArgumentParser()

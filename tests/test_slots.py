@@ -1,5 +1,5 @@
 """SSD slots: a store gets the same directory after a restart, two stores on one
-machine get two, a directory of an older layout is adopted, stale free ones go."""
+machine get two, only directories the store marked are slots, stale free ones go."""
 
 from __future__ import annotations
 
@@ -48,15 +48,21 @@ def test_the_lock_ends_with_the_process(tmp_path: Path) -> None:
     assert claim(template).path == held
 
 
-def test_an_older_layout_directory_is_adopted_most_recent_first(tmp_path: Path) -> None:
-    """Older versions named the directory after the Ray node id, a new one each start."""
-    old, older = tmp_path / "9f1c2d3e4b5a", tmp_path / "0a1b2c3d4e5f"
-    for path, age in ((old, 100), (older, 5000)):
-        (path / "objects" / "ab").mkdir(parents=True)
+def test_marked_free_slots_are_adopted_most_recent_first_and_older_layouts_left_alone(tmp_path: Path) -> None:
+    """Older versions named the directory after the Ray node id and wrote no marker:
+    such a directory is not a slot, however well its name fits."""
+    template = str(tmp_path / "{node}")
+    old, older = claim(template), claim(template)
+    for slot, age in ((old, 100), (older, 5000)):
+        slot.release()
         stamp = time.time() - age
-        os.utime(path / "objects", (stamp, stamp))
-    assert claim(str(tmp_path / "{node}")).path == old
-    assert claim(str(tmp_path / "{node}")).path == older
+        os.utime(slot.path / "owner.lock", (stamp, stamp))
+    legacy = tmp_path / "9f1c2d3e4b5a"
+    (legacy / "objects" / "ab").mkdir(parents=True)
+    assert claim(template).path == old.path
+    assert claim(template).path == older.path
+    assert claim(template).path == tmp_path / "node-2"  # a new one: the legacy directory is not taken
+    assert sorted(p.name for p in legacy.rglob("*")) == ["ab", "objects"]
 
 
 def test_a_configured_node_name_is_its_slot_and_nobody_elses(tmp_path: Path) -> None:

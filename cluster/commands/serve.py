@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 API_KEY_ENV = "V41_API_KEY"
+REDIS_PASSWORD_ENV = "V41_REDIS_PASSWORD"  # the --redis-url's password, where no --redis-password-file gives it
 
 def serve_environment(port: int) -> dict[str, str]:
     """Ray Serve's latency settings (Ray >= 2.55), for a router answering HTTP on ``port``.
@@ -89,6 +90,7 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
         redis.start()
         supervisor = RedisSupervisor(redis)
         supervisor.start()
+        # Its URL holds its random password: handed to Serve in memory, never on a command line.
         app_args = {**app_args, "redis_url": redis.url}
     ready_filter = _ReadyAtFilter()
     logging.getLogger("ray.serve").addFilter(ready_filter)
@@ -164,11 +166,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="join this Ray cluster (e.g. HEAD:6379, started with `ray start` after exporting what "
                         "`v41 serve` exports: see the README) instead of starting one")
     parser.add_argument("--redis-url", default=None,
-                        help="the cluster's Redis (redis://:PASSWORD@HOST:PORT/0) instead of an embedded one")
+                        help="the cluster's Redis (redis://HOST:PORT/0, no password: a command line is public) "
+                        "instead of an embedded one")
+    parser.add_argument("--redis-password-file", type=Path, default=None, metavar="FILE",
+                        help=f"the --redis-url's password, in this file (or export {REDIS_PASSWORD_ENV})")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="SSD tier directory (default .v41/cache; each machine keeps its own slot under it)")
+                        help="SSD tier folder (default $XDG_CACHE_HOME/v41, else ~/.cache/v41): each machine keeps "
+                        "its own slot in its v41-slots/ subfolder (0700, files 0600), nothing else in it is touched")
     parser.add_argument("--exact-replay", action="store_true", default=None,
                         help="replay whole prompts through the decoder, and rebuild expired windows exactly")
     parser.add_argument("--compiled-step", action="store_true", default=None,
@@ -216,6 +222,53 @@ def config_file_args(path: Path) -> dict:
     return data
 
 
+def redis_password(args: argparse.Namespace) -> str | None:
+    """The external Redis's password: ``--redis-password-file`` (its first line), else
+    ``$V41_REDIS_PASSWORD``, else None. Never from argv, which every local user can read."""
+    from cluster.cli import UserError
+
+    if args.redis_password_file is None:
+        return os.environ.get(REDIS_PASSWORD_ENV) or None
+    try:
+        text = args.redis_password_file.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read --redis-password-file {args.redis_password_file}: "
+                        f"{getattr(error, 'strerror', None) or 'not text'}") from None
+    password = next(iter(text.splitlines()), "")
+    if not password:
+        raise UserError(f"--redis-password-file {args.redis_password_file} is empty")
+    return password
+
+
+def set_redis_url(args: argparse.Namespace, app_args: dict) -> None:
+    """``--redis-url`` into ``app_args``, refused if it holds a password (the command
+    line is public: ``ps``); a password from :func:`redis_password` is filled into the
+    URL (the flag's or ``--config``'s: a file may hold one) in memory, never in argv."""
+    from cluster.cli import UserError
+    from storage.redis_link import url_has_password, url_with_password
+
+    if args.redis_url is not None:
+        try:
+            has_password = url_has_password(args.redis_url)
+        except ValueError:
+            raise UserError("--redis-url is not a URL (redis://HOST:PORT/0)") from None
+        if has_password:
+            raise UserError("--redis-url must not hold a password (any local user can read a command line): give "
+                            f"the URL without it and the password with --redis-password-file FILE or {REDIS_PASSWORD_ENV}")
+        app_args["redis_url"] = args.redis_url
+    password = redis_password(args)
+    if password is None:
+        return
+    if not app_args.get("redis_url"):
+        if args.redis_password_file is not None:
+            raise UserError("--redis-password-file needs --redis-url (the embedded Redis makes its own password)")
+        return  # an exported password with no external Redis: the embedded one has its own
+    try:
+        app_args["redis_url"] = url_with_password(app_args["redis_url"], password)
+    except ValueError:
+        raise UserError("redis_url is not a URL (redis://HOST:PORT/0)") from None
+
+
 def app_arguments(args: argparse.Namespace) -> dict:
     """AppConfig arguments from the command line: --config, then the flags over it."""
     from cluster.cli import UserError
@@ -228,10 +281,13 @@ def app_arguments(args: argparse.Namespace) -> dict:
             raise UserError(f"no checkpoint at {model}")
         app_args["model"] = str(model)
     if args.cache_dir is not None or "ssd_dir" not in app_args:
-        app_args["ssd_dir"] = str((args.cache_dir or Path(".v41/cache")).resolve() / "{node}")
-    for name in ("exact_replay", "compiled_step", "speculation", "redis_url"):
+        from storage.slots import cache_home, slots_template  # slots in D/v41-slots: nothing else in D is touched
+
+        app_args["ssd_dir"] = slots_template((args.cache_dir or cache_home()).resolve())
+    for name in ("exact_replay", "compiled_step", "speculation"):
         if getattr(args, name) is not None:
             app_args[name] = getattr(args, name)
+    set_redis_url(args, app_args)
     for flag, name, _, _ in _FLAGS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:

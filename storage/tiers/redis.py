@@ -12,6 +12,7 @@ the same under an injected clock. Writes of many objects share one pipelined rou
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from collections.abc import Callable, Sequence
@@ -25,7 +26,10 @@ from storage.policy import RetentionPolicy, TierName
 from storage.redis_link import RedisLink
 from storage.tiers.base import OnDrop, Tier
 
+logger = logging.getLogger(__name__)
+
 _SCAN_BATCH = 500
+_UNPARSED_LOGGED = 1000  # names GC warned about once each; past that, skipped quietly
 _USED = struct.Struct("<d")  # last use, by the store's clock, in front of the envelope
 
 
@@ -43,6 +47,7 @@ class RedisTier(Tier):
         self._counters = counters
         self._on_drop = on_drop
         self._retention_s = {kind: policy.retention_s(kind, TierName.REDIS) for kind in Kind}  # None: not kept
+        self._unparsed: set[bytes] = set()  # names GC could not parse, already logged
 
     def _name(self, key: ObjectKey) -> str:
         return self._link.key(key.kind.name.lower(), key.hex)
@@ -153,19 +158,39 @@ class RedisTier(Tier):
         expired: list[ObjectKey] = []
         for kind in Kind:
             retention = self._retention(kind)
-            names = self._link.run(lambda client: list(client.scan_iter(
-                match=self._link.key(kind.name.lower(), "*"), count=_SCAN_BATCH)))
+            prefix = self._link.key(kind.name.lower(), "")
+            names = self._link.run(lambda client: list(client.scan_iter(match=prefix + "*", count=_SCAN_BATCH)))
             for start in range(0, len(names or ()), _SCAN_BATCH):
                 batch = names[start:start + _SCAN_BATCH]
                 used = self._link.run(lambda client: self._last_used(client, batch))
                 for name, last_used in zip(batch, used or ()):
                     if last_used is not None and (retention is None or not now - last_used <= retention):
-                        expired.append(ObjectKey.from_hex(kind, name.decode().rsplit(":", 1)[1]))
+                        key = self._parse(kind, prefix, name)
+                        if key is not None:
+                            expired.append(key)
         if expired:
             self._link.run(lambda client: client.delete(*(self._name(key) for key in expired)))
         self._counters.add(expirations=len(expired))
         for key in expired:
             self._on_drop(key)
+
+    def _parse(self, kind: Kind, prefix: str, name: bytes) -> ObjectKey | None:
+        """The key a Redis name under ``prefix`` holds, or None for a name that holds
+        none (not ``prefix`` and 64 lowercase hex digits, as ``_name`` writes them:
+        another program's, or planted), which GC leaves alone: one bad name must not
+        stop the pass, nor every pass after it. Each is logged once."""
+        text = name.decode("utf-8", "replace")
+        digits = text[len(prefix):] if text.startswith(prefix) else ""
+        try:
+            key = ObjectKey.from_hex(kind, digits)
+        except ValueError:
+            key = None
+        if key is not None and key.hex == digits:  # (an upper-case twin would drop the real key's index entry)
+            return key
+        if name not in self._unparsed and len(self._unparsed) < _UNPARSED_LOGGED:
+            self._unparsed.add(name)
+            logger.warning("redis tier GC skips %r: not a %s key", text, kind.name.lower())
+        return None
 
     @staticmethod
     def _last_used(client: redis.Redis, names: Sequence[bytes]) -> list[float | None]:

@@ -4,6 +4,9 @@ Layout: ``ROOT/objects/ab/cd/<64 hex digits>.<kind>`` where ``abcd`` are the fir
 digits of the key (a two-level fan-out keeps directories small). Names come only from
 key digests, never from user input.
 
+Files are created 0600 and folders 0700 (the modes given to ``open`` and ``mkdir``, which
+the umask can only narrow): a cache holds users' conversations.
+
 Writes go to a temp file in the same directory (``.<hex>.<pid>.<n>.tmp``), are fsynced
 as the ``FsyncPolicy`` says, get their last-use time as mtime, and are renamed over the
 final name, so a reader sees the old file, the new file or none, never a torn one. A
@@ -32,6 +35,7 @@ from storage.codec import HEADER_BYTES, Codec, CorruptObject
 from storage.keys import Kind, ObjectKey
 from storage.metrics import TierCounters
 from storage.policy import FsyncPolicy, RetentionPolicy, TierName
+from storage.slots import make_private_dirs
 from storage.tiers.base import LocalTier, OnDrop, payload_size
 from storage.tiers.sized import SizedPayload
 
@@ -43,6 +47,7 @@ _KIND_OF_SUFFIX = {suffix: kind for kind, suffix in _SUFFIX.items()}
 _TEMP_SUFFIX = ".tmp"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _ONE_READ_BYTES = 32 << 10  # up to this file size a read is one pread plus a small slice
+_FILE_MODE = 0o600  # the cache is the user's prompts: files 0600, folders 0700 (umask can only narrow)
 
 
 def write_all(fd: int, buffers: Sequence[bytes]) -> None:
@@ -109,7 +114,7 @@ class SsdTier(LocalTier):
 
     def _scan(self) -> None:
         """Rebuild the index from the files; delete those whose retention ran out."""
-        self._dir.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self._dir)
         now = self._clock()
         found: list[tuple[float, bytes, _Entry]] = []
         for path in self._walk():
@@ -299,11 +304,11 @@ class SsdTier(LocalTier):
     def _write_atomic(self, path: str, header: bytes, payload: bytes, now: float) -> None:
         directory, _, name = path.rpartition("/")
         if directory not in self._made_dirs:
-            os.makedirs(directory, exist_ok=True)
+            make_private_dirs(Path(directory))
             self._made_dirs.add(directory)
         temp = f"{directory}/.{name.partition('.')[0]}.{os.getpid()}.{next(self._temp_ids)}{_TEMP_SUFFIX}"
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
             try:
                 self._write_file(fd, (header, payload))
                 if self._policy.fsync is not FsyncPolicy.NEVER:
