@@ -88,7 +88,7 @@ class AppConfig(BaseModel):
     # A conversation whose window state expired (Encoder SWA Bounded Replay): the encoder
     # reruns this many windows of its last tokens from empty windows. The seed reruns
     # one; on configs/small one drifts (greedy agreement 54.9% on held-out text) and
-    # four agree (100%) for a rerun of 256 tokens: `v41 bench replay`, README.
+    # four agree (100%) for a rerun of 256 tokens: `v41 bench replay`, docs/engine.md.
     encoder_replay_windows: PositiveInt = 4
     # The decoder pool runs each layer's per-token work compiled (AOTInductor; model/
     # runtime/compiled.py): built when a replica first starts (~2.5 min on configs/small,

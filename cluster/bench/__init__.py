@@ -25,7 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "vision": ("cluster.bench.vision", "an image's cost in the prefill pool (decode, preprocess, tower), returning turn TTFT"),
     "peer": ("cluster.bench.peer", "v41 against the released reference (transformers' deepseek_v41) when importable"),
     "tools": ("cluster.bench.tools", "tool calling on held-out conversations: well-formed, right function, free and constrained"),
-    "all": ("cluster.bench.suite", "every table of the README and docs/ in one run, beside the machine's raw limits"),
+    "all": ("cluster.bench.suite", "every table of docs/ in one run, beside the machine's raw limits"),
 }
 
 

@@ -1,10 +1,10 @@
-"""`v41 bench all`: every benchmark table of the README and docs/, regenerated in one run,
+"""`v41 bench all`: every benchmark table of docs/, regenerated in one run,
 each figure printed beside the machine's raw limits measured in the same run.
 
 First the limits (a few seconds): fp32 matmul throughput on one thread and on every
 core, an in-memory copy, a file written and fsynced, a loopback TCP round trip. Then
 each benchmark with the arguments of the table it regenerates (:data:`SUITE`), in a
-process of its own as the README runs it; its table is printed as it comes. Last, one
+process of its own as the docs run it; its table is printed as it comes. Last, one
 table of every bench's headline figures (the numbers near the top of its JSON), each
 beside the limits that bound it. With ``--json``, one object: the limits, and per bench
 its command, exit status, seconds, JSON and figures.
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the README's commands run from the repository root
+ROOT = Path(__file__).resolve().parents[2]  # the docs' commands run from the repository root
 
 
 @dataclass(frozen=True)
@@ -48,27 +48,27 @@ class Entry:
 
     @property
     def command(self) -> str:
-        """The command as the README writes it."""
+        """The command as the docs write it."""
         return " ".join(["v41", *self.argv])
 
 
 _COMPUTE = ("matmul_gflops_1_thread", "copy_gb_s")
 _CLUSTER = ("matmul_gflops_all_cores", "loopback_round_trip_us")
 SUITE: tuple[Entry, ...] = (
-    Entry("engine", "engine", (), "README.md: The engine; docs/performance.md: Numbers", _COMPUTE),
-    Entry("replay", "replay", ("tests/golden/A", "--prompt-tokens", "300"), "README.md: The engine", _COMPUTE),
-    Entry("serve", "serve", ("--model", "tests/golden/A", "--history", "17000"), "README.md: Serving", _CLUSTER),
+    Entry("engine", "engine", (), "docs/engine.md; docs/performance.md: Numbers", _COMPUTE),
+    Entry("replay", "replay", ("tests/golden/A", "--prompt-tokens", "300"), "docs/engine.md", _COMPUTE),
+    Entry("serve", "serve", ("--model", "tests/golden/A", "--history", "17000"), "docs/serving.md", _CLUSTER),
     Entry("agents", "agents", ("--model", "tests/golden/A", "--sessions", "32", "--seconds", "120"),
-          "README.md: Serving", _CLUSTER),
+          "docs/serving.md", _CLUSTER),
     Entry("load", "load", ("--clients", "64", "--seconds", "60"), "docs/reliability.md: Load", _CLUSTER),
-    Entry("tools", "tools", (), "README.md: Serving; docs/training.md", _COMPUTE),
-    Entry("grammar", "grammar", (), "README.md: Serving", _COMPUTE),
-    Entry("spec", "spec", ("--repeats", "4"), "README.md: DSpark speculative decoding", _COMPUTE),
+    Entry("tools", "tools", (), "docs/serving.md; docs/training.md", _COMPUTE),
+    Entry("grammar", "grammar", (), "docs/serving.md", _COMPUTE),
+    Entry("spec", "spec", ("--repeats", "4"), "docs/dspark.md: In short", _COMPUTE),
     Entry("peer", "peer", (), "docs/performance.md: Against the reference", _COMPUTE),
     Entry("spec-batch16", "spec", ("--batches", "16", "--fixed", "3,4,5", "--repeats", "10"),
           "docs/benchmarks.md: DSpark speculative decoding", _COMPUTE),
-    Entry("store", "store", (), "README.md: The KV store; docs/storage.md", ("disk_write_gb_s", "copy_gb_s")),
-    Entry("engram", "engram", (), "README.md: The Engram service; docs/engram.md", ("copy_gb_s",)),
+    Entry("store", "store", (), "docs/storage.md", ("disk_write_gb_s", "copy_gb_s")),
+    Entry("engram", "engram", (), "docs/engram.md", ("copy_gb_s",)),
     Entry("experts", "experts", (), "docs/scale.md", ("matmul_gflops_all_cores", "copy_gb_s")),
     Entry("vision", "vision", ("--tower", "small", "--repeats", "2", "--sizes", "544x544,768x1024"),
           "docs/images.md: Measured", _COMPUTE),

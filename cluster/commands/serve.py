@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or a mapping of AppConfig fields; flags given here override it")
     parser.add_argument("--address", default=None,
                         help="join this Ray cluster (e.g. HEAD:6379, started with `ray start` after exporting what "
-                        "`v41 serve` exports: see the README) instead of starting one")
+                        "`v41 serve` exports: see docs/serving.md) instead of starting one")
     parser.add_argument("--redis-url", default=None,
                         help="the cluster's Redis (redis://HOST:PORT/0, no password: a command line is public) "
                         "instead of an embedded one")
