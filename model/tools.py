@@ -160,26 +160,6 @@ def parse_invoke(text: str) -> ToolCall | None:
     return ToolCall(head, _json(arguments), new_call_id())
 
 
-def parse_calls(text: str) -> list[ToolCall] | None:
-    """Every call of a whole block (``<｜DSML｜ calls>`` to its close, with or without the
-    blank line before it), or None if any part of it is not well formed."""
-    text = text.strip()
-    if not (text.startswith(CALLS_OPEN) and text.endswith(CALLS_CLOSE)):
-        return None
-    body = text[len(CALLS_OPEN): -len(CALLS_CLOSE)].strip()
-    calls = []
-    while body:
-        end = body.find(INVOKE_CLOSE)
-        if end < 0:
-            return None
-        call = parse_invoke(body[: end + len(INVOKE_CLOSE)])
-        if call is None:
-            return None
-        calls.append(call)
-        body = body[end + len(INVOKE_CLOSE):].strip()
-    return calls or None
-
-
 # ---------------------------------------------------------------------- streaming
 
 

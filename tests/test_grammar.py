@@ -15,7 +15,7 @@ from model.runtime.engine import Engine
 from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, tool_call_grammar
 from model.runtime.sampling import SamplingParams
 from model.runtime.speculative import SpeculativeDrafter
-from model.tools import parse_calls
+from model.tools import split_answer
 from model.training import init_module
 
 TINY = "configs/tiny"
@@ -99,8 +99,8 @@ def test_a_required_call_is_a_well_formed_call_of_a_listed_tool(tiny, name, para
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=400, grammar=grammar)
         for text, _, finish in _run(engine, tokenizer, _prompts(tokenizer), params):
             assert finish == "stop", text
-            calls = parse_calls(text)
-            assert calls, text
+            rest, calls = split_answer([text])
+            assert calls and not rest, text
             assert parallel or len(calls) == 1
             for call in calls:
                 assert call.name == (name or call.name) and call.name in ("get_weather", "clock")
@@ -185,7 +185,8 @@ def test_a_call_follows_the_grammar_where_the_markup_is_one_token(note):
         assert constraint.mask()[token], tokenizer.decode(ids[: ids.index(token) + 1])
         constraint.advance(token)
     assert constraint.matcher.is_accepting()
-    assert [call.name for call in parse_calls(tokenizer.decode(ids))] == ["get_weather", "memo"]
+    rest, parsed = split_answer([tokenizer.decode(ids)])
+    assert not rest and [call.name for call in parsed] == ["get_weather", "memo"]
     # The markup spelled as bytes is not the markup: the first "｜" byte is refused.
     spelled = compiler.constraint(tool_call_grammar([CLOCK], "clock", False, dsml), tokenizer.vocab_size)
     for token in tokenizer.encode("\n\n<"):
@@ -221,7 +222,7 @@ def test_an_auto_answer_is_free_until_the_model_opens_a_call(thinking):
     that opens a calls block, the rest follows the tools' grammar: the template's own
     rendering of a call walks it to the end, a tool not offered or a second call where
     parallel calls are off is refused, and a look-ahead across the trigger rewinds."""
-    from model.tools import ToolCall, calls_text, split_answer
+    from model.tools import ToolCall, calls_text
 
     tokenizer = _dsml_tokenizer()
     dsml, think_end = tokenizer.special.dsml, tokenizer.special.think_end

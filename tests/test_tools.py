@@ -20,7 +20,6 @@ from model.tools import (
     ToolCall,
     ToolCallStream,
     calls_text,
-    parse_calls,
     split_answer,
 )
 
@@ -108,7 +107,8 @@ def test_calls_survive_rendering_and_streaming_in_any_pieces(calls, answer, data
     answer = answer.replace("\n\n<", "")
     written = [ToolCall(name, json.dumps(args)) for name, args in calls]
     text = answer + calls_text(written)
-    parsed = parse_calls(calls_text(written))
+    rest, parsed = split_answer([calls_text(written)])
+    assert rest == ""
     assert [(c.name, json.loads(c.arguments)) for c in parsed] == [(n, a) for n, a in calls]
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
