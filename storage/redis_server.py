@@ -42,6 +42,8 @@ from urllib.parse import quote
 
 import redis
 
+from storage.private import write_private
+
 # Renamed to "" (gone, under any name, for every client and inside Lua): what writes
 # files (CONFIG SET dir + SAVE), loads code (MODULE LOAD), changes settings, makes the
 # server a replica of another, stops it, or wipes the index without a new run id (the
@@ -99,15 +101,6 @@ def _conf_quote(text: str) -> str:
         else:
             out.extend(f"\\x{byte:02x}" for byte in char.encode())
     return '"' + "".join(out) + '"'
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` readable by its owner only (0600 from creation on,
-    and made so if it existed), never following a link planted there."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        os.fchmod(handle.fileno(), 0o600)
-        handle.write(text)
 
 
 _LOWEST_PORT = 20000  # above Ray's worker ports (10002-19999 unless configured)
@@ -205,8 +198,8 @@ class RedisServer:
         """Start the server and wait until it answers PING (with the password)."""
         if self.running:
             return
-        _write_private(self.conf_file, self.conf_text())
-        _write_private(self.password_file, self.password + "\n")
+        write_private(self.conf_file, self.conf_text().encode())
+        write_private(self.password_file, (self.password + "\n").encode())
         log = open(self.data_dir / "redis.log", "ab")
         with log:
             self._process = subprocess.Popen([self._binary, str(self.conf_file)], stdout=log,

@@ -48,6 +48,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.private import PRIVATE_DIR, PRIVATE_FILE, make_private_dirs, write_private
+
 PLACEHOLDER = "{node}"
 SLOTS_FOLDER = "v41-slots"  # the dedicated folder `--cache-dir` lays its slots in
 MARKER = "v41-slot.json"
@@ -55,8 +57,6 @@ MARKER_KIND = "v41-ssd-slot"
 MARKER_FORMAT = 1
 _LOCK = "owner.lock"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_PRIVATE_DIR = 0o700
-_PRIVATE_FILE = 0o600
 _MARKER_MAX_BYTES = 4096
 
 
@@ -89,21 +89,6 @@ def default_ssd_dir() -> str:
 # -- private folders and files ----------------------------------------------------------
 
 
-def make_private_dirs(directory: Path) -> None:
-    """Create ``directory`` and its missing parents, each 0700 (``os.makedirs`` gives the
-    parents the umask's mode, often 0755)."""
-    missing: list[Path] = []
-    current = Path(directory)
-    while not os.path.lexists(current) and current != current.parent:
-        missing.append(current)
-        current = current.parent
-    for path in reversed(missing):
-        try:
-            os.mkdir(path, _PRIVATE_DIR)
-        except FileExistsError:
-            pass  # made meanwhile (another store): checked by whoever uses it
-
-
 def _owner(uid: int) -> str:
     try:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
@@ -132,17 +117,9 @@ def check_private(directory: Path) -> None:
 
 
 def _write_marker(directory: Path) -> None:
-    """Mark ``directory`` as a slot: a temp file renamed over the marker, so that a
-    marker is whole or absent."""
+    """Mark ``directory`` as a slot (the marker whole or absent)."""
     body = json.dumps({"kind": MARKER_KIND, "format": MARKER_FORMAT, "created": time.time()}).encode()
-    temp = directory / f".{MARKER}.{os.getpid()}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, _PRIVATE_FILE)
-    try:
-        os.write(fd, body)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, directory / MARKER)
+    write_private(directory / MARKER, body)
 
 
 def is_marked(directory: Path) -> bool:
@@ -228,7 +205,7 @@ class _Template:
 def _try_lock(top: Path) -> int | None:
     """An fd holding the slot's exclusive lock, or None if a live process holds it."""
     try:
-        fd = os.open(top / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, _PRIVATE_FILE)
+        fd = os.open(top / _LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
     except OSError as error:
         raise SlotError(f"cannot use {top}: {error.strerror}") from None
     try:
@@ -259,7 +236,7 @@ def _open_slot(template: _Template, name: str, *, new: bool) -> Slot | None:
     top = template.top(name)
     try:
         if new:
-            os.mkdir(top, _PRIVATE_DIR)
+            os.mkdir(top, PRIVATE_DIR)
         elif not is_marked(top):
             return None
     except FileExistsError:
@@ -356,7 +333,7 @@ def _fixed(directory: Path) -> Slot:
     try:
         if not os.path.lexists(directory):
             make_private_dirs(directory.parent)
-            os.mkdir(directory, _PRIVATE_DIR)
+            os.mkdir(directory, PRIVATE_DIR)
             _write_marker(directory)
             return Slot(directory)
         check_private(directory)

@@ -35,7 +35,7 @@ from storage.codec import HEADER_BYTES, Codec, CorruptObject
 from storage.keys import Kind, ObjectKey
 from storage.metrics import TierCounters
 from storage.policy import FsyncPolicy, RetentionPolicy, TierName
-from storage.slots import make_private_dirs
+from storage.private import PRIVATE_FILE, make_private_dirs
 from storage.tiers.base import LocalTier, OnDrop, payload_size
 from storage.tiers.sized import SizedPayload
 
@@ -47,7 +47,6 @@ _KIND_OF_SUFFIX = {suffix: kind for kind, suffix in _SUFFIX.items()}
 _TEMP_SUFFIX = ".tmp"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _ONE_READ_BYTES = 32 << 10  # up to this file size a read is one pread plus a small slice
-_FILE_MODE = 0o600  # the cache is the user's prompts: files 0600, folders 0700 (umask can only narrow)
 
 
 def write_all(fd: int, buffers: Sequence[bytes]) -> None:
@@ -308,7 +307,7 @@ class SsdTier(LocalTier):
             self._made_dirs.add(directory)
         temp = f"{directory}/.{name.partition('.')[0]}.{os.getpid()}.{next(self._temp_ids)}{_TEMP_SUFFIX}"
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE)
             try:
                 self._write_file(fd, (header, payload))
                 if self._policy.fsync is not FsyncPolicy.NEVER:

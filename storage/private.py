@@ -1,0 +1,42 @@
+"""Folders and files only their owner may read: 0700 and 0600, whatever the umask.
+
+What the store and the embedded Redis write (cached conversations, a password, a slot's
+marker) is made with these modes from creation on, never widened and then narrowed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+
+
+def make_private_dirs(directory: Path) -> None:
+    """Create ``directory`` and its missing parents, each 0700 (``os.makedirs`` gives the
+    parents the umask's mode, often 0755)."""
+    missing: list[Path] = []
+    current = Path(directory)
+    while not os.path.lexists(current) and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, PRIVATE_DIR)
+        except FileExistsError:
+            pass  # made meanwhile (another store): checked by whoever uses it
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """``data`` as the file ``path``, 0600, whole or not at all: written to a temp file
+    beside it (never following a link planted there), fsynced, renamed over ``path``."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE)  # (a temp file left by a dead process may have had another mode)
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
