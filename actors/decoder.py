@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ray import serve
 
-from cluster.config import AppConfig
+from actors.config import AppConfig
 from model.chat import Tokenizer
 from model.runtime.batcher import Batcher, Speculation, TokenEvent
 from model.runtime.cache import SequenceCache
@@ -201,7 +201,7 @@ class DecoderPool:
 
     def __init__(self, config: AppConfig):
         from actors.store import peer_store
-        from cluster.metrics import DecoderMetrics, PrefillMetrics
+        from actors.metrics import DecoderMetrics, PrefillMetrics
 
         self.bundle = bundle = ModelBundle(config)
         store = bundle.store(config)
@@ -379,7 +379,7 @@ class DecoderPool:
         call, whose end is the stream's one event after the last token: ``{"stored_at":
         when it ended, "stored": whether the store took it in time}``. The last event
         names the objects (``"storing"``): the router holds a turn that continues the
-        conversation until they are stored (cluster/router.py), so that the next turn,
+        conversation until they are stored (cluster/serving/router.py), so that the next turn,
         sent the moment the answer is complete, finds every chunk. The store runs on
         whether or not the stream is read to its end; one that does not answer in time
         costs the next turn its hit, never this request. Nothing to store: ``({}, None)``."""

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from ray import serve
 
-from cluster.config import AppConfig
+from actors.config import AppConfig
 from model.config import VisionConfig
 from model.runtime.cache import SequenceCache
 from model.runtime.engine import DecoderInput, Engine, ImageSpan
@@ -216,13 +216,13 @@ class PrefillService:
 # ---------------------------------------------------------------------- deployment
 
 
-@serve.deployment  # its request router: cluster/app.py, from the config's `routing`
+@serve.deployment  # its request router: cluster/serving/app.py, from the config's `routing`
 class PrefillPool:
     """A prefill replica: the encoder half and the CED projection, and its node's store."""
 
     def __init__(self, config: AppConfig):
         from actors.store import peer_store
-        from cluster.metrics import PrefillMetrics
+        from actors.metrics import PrefillMetrics
 
         self.bundle = bundle = ModelBundle(config, drop_decoder=True)
         self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming, node_id(), peer_store,

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.config import AppConfig
+from actors.config import AppConfig
 
 
 class ModelIdentity:

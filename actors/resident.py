@@ -3,7 +3,7 @@
 An agent's next turn comes back within seconds: a tool ran and appended a few hundred
 tokens to the whole history. The replica that answered the last turn still has the
 conversation's cache, every layer of it, in memory. Kept here, the next turn, routed
-back to this replica (cluster/routing.py), starts from it: only the new tokens are
+back to this replica (cluster/serving/routing.py), starts from it: only the new tokens are
 encoded, with no store read, no handoff and no trip through the prefill pool.
 
 It is a shortcut, never the only copy. The replica stores the same state (its chunks

@@ -65,7 +65,7 @@ class StoreActor:
     """A node's tiered store, as a Ray actor."""
 
     def __init__(self, settings: StoreSettings, fingerprint: bytes, node_id: str, metrics_interval_s: float = 10.0):
-        from cluster.metrics import StoreMetrics
+        from actors.metrics import StoreMetrics
 
         self._node_id = node_id
         self._lock = threading.Lock()

@@ -5,7 +5,7 @@
     python examples/agent.py --tasks                # the built-in tasks, with a success rate
     python examples/agent.py --tasks --more 36      # and 36 drawn ones (one-call and two-call)
 
-The model gets six tools of ``cluster.stdlib_tools`` (count a module's public names or
+The model gets six tools of ``model.training.stdlib_tools`` (count a module's public names or
 source lines, whether it defines a name, its docstring, arithmetic, primality), executed
 here, and runs them in a loop: each answer's tool calls are executed, their results sent
 back as ``tool`` messages, until an answer calls no tool (or ``--max-steps``). The trace
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import openai
 
-from cluster.stdlib_tools import HELD_OUT_MODULES, run_tool, tools
+from model.training.stdlib_tools import HELD_OUT_MODULES, run_tool, tools
 from model.tools import DSML
 
 # The tools offered on every step (the shipped small model was fine-tuned on 2 to 6

@@ -35,8 +35,8 @@ class Kind(enum.IntEnum):
 
     CHUNK = 1  # long-range cache bytes of one chunk of tokens
     WINDOW = 2  # window state of a conversation's tail
-    RESPONSE = 3  # a stored Responses API response and its input (JSON; cluster/responses_api.py)
-    CONVERSATION = 4  # a Conversations API conversation: its items and metadata (JSON; cluster/conversations_api.py)
+    RESPONSE = 3  # a stored Responses API response and its input (JSON; cluster/serving/responses_api.py)
+    CONVERSATION = 4  # a Conversations API conversation: its items and metadata (JSON; cluster/serving/conversations_api.py)
 
 
 @dataclass(frozen=True)

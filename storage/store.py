@@ -27,9 +27,9 @@ from storage.keys import Fingerprint, Kind, ObjectKey
 from storage.metrics import StoreStats, TierCounters
 from storage.policy import RetentionPolicy, TierName
 from storage.redis_link import RedisLink
-from storage.tiers.ram import RamTier
-from storage.tiers.redis import RedisTier
-from storage.tiers.ssd import SizedSsdTier, SsdTier, WriteFile, write_all
+from storage.ram_tier import RamTier
+from storage.redis_tier import RedisTier
+from storage.ssd_tier import SizedSsdTier, SsdTier, WriteFile, write_all
 from storage.write_behind import WriteBehind, WriteJob
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from cluster.commands.serve import local_app
+from cluster.serving.local import local_app
 from storage.redis_server import free_port
 
 GOLDEN = Path(__file__).parent / "golden" / "A"

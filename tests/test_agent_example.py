@@ -1,9 +1,9 @@
-"""examples/agent.py: its tools are those of `cluster.stdlib_tools` (tested in
+"""examples/agent.py: its tools are those of `model.training.stdlib_tools` (tested in
 test_tool_data.py), its tasks ask about held-out modules and have answers."""
 
 from __future__ import annotations
 
-from cluster import stdlib_tools
+from model.training import stdlib_tools
 from tests.example_agent import load_agent
 
 agent = load_agent()

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.cachesim.simulate import SimConfig, simulate
-from cluster.cachesim.sizes import Sizes
-from cluster.cachesim.workload import CHUNK_TOKENS, CONVERSATION_TRACE, Request, mooncake
+from cluster.lab.simulate import SimConfig, simulate
+from cluster.lab.sizes import Sizes
+from cluster.lab.workload import CHUNK_TOKENS, CONVERSATION_TRACE, Request, mooncake
 
 SIZES = Sizes("test", CHUNK_TOKENS, chunk_bytes=1000, window_bytes=5000, persist_windows=False, source="test")
 V4 = Sizes("test-v4", CHUNK_TOKENS, chunk_bytes=4000, window_bytes=5000, persist_windows=True, source="test")
@@ -117,7 +117,7 @@ def test_the_command_compares_the_policies_on_a_trace():
 def test_a_policy_process_that_fails_raises_its_error_in_the_caller(tmp_path):
     """`cache-sim run`'s processes exit without tearing down: a failure must still reach
     the command, as the error it was."""
-    from cluster.commands.cache_sim import in_policy_processes
+    from cluster.cli.cache_sim import in_policy_processes
 
     with pytest.raises(FileNotFoundError, match="config.json"):
         in_policy_processes([("v41", {"model": str(tmp_path / "absent"), "hours": 1.0}, ("synthetic", {}),
@@ -149,8 +149,8 @@ def test_a_measured_turn_end_decides_when_its_chunks_are_stored():
 
 
 def test_a_killed_run_resumes_from_its_checkpoint_to_the_same_counters(tmp_path):
-    from cluster.cachesim.simulate import Simulator
-    from cluster.cachesim.workload import Profile, synthetic
+    from cluster.lab.simulate import Simulator
+    from cluster.lab.workload import Profile, synthetic
 
     profile = Profile.named("agent", sessions=60, hours=12)
     config = SimConfig(SIZES, ram_bytes=400_000, ssd_bytes=3_000_000, chunk_retention_hours=3.0, hours=12)
@@ -187,8 +187,8 @@ def test_checkpoints_of_a_big_state_take_a_bounded_share_of_the_run(tmp_path, mo
     """A save that takes as long as the interval must not follow every request (the
     million-session run spent 90% of its V4 policy's time saving): on a clock where a
     save costs 2 s and a request ~0.1 s, saves take at most CHECKPOINT_SHARE of the run."""
-    from cluster.cachesim import simulate as module
-    from cluster.cachesim.workload import Profile, synthetic
+    from cluster.lab import simulate as module
+    from cluster.lab.workload import Profile, synthetic
 
     now = [0.0]
     save_s = 2.0  # what a save costs on this clock
@@ -222,9 +222,9 @@ def test_a_checkpoint_streams_the_stored_objects(tmp_path, monkeypatch):
     of objects, and a copy of them (~200 B each) was gigabytes on top of the state."""
     import tracemalloc
 
-    from cluster.cachesim import checkpoints
-    from cluster.cachesim import simulate as module
-    from cluster.cachesim.workload import Profile, synthetic
+    from cluster.lab import checkpoints
+    from cluster.lab import simulate as module
+    from cluster.lab.workload import Profile, synthetic
 
     monkeypatch.setattr(checkpoints, "ROWS_PER_WRITE", 1000)
     persisted = Sizes("test", CHUNK_TOKENS, chunk_bytes=1000, window_bytes=5000, persist_windows=True, source="test")
@@ -247,8 +247,8 @@ def test_the_requests_table_adds_up_to_the_totals(tmp_path):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from cluster.cachesim.simulate import RequestTable
-    from cluster.cachesim.workload import Profile, synthetic
+    from cluster.lab.simulate import RequestTable
+    from cluster.lab.workload import Profile, synthetic
 
     table = RequestTable(tmp_path / "requests.parquet", rows_per_group=500)  # several row groups
     config = SimConfig(SIZES, ram_bytes=400_000, chunk_retention_hours=3.0, hours=12)
@@ -271,8 +271,8 @@ def test_the_loop_leaves_nothing_for_the_cyclic_collector(workload, tmp_path):
     path runs here: RAM evictions, SSD hits and expiry, GC, checkpoints, the table."""
     import gc
 
-    from cluster.cachesim.simulate import RequestTable, Simulator
-    from cluster.cachesim.workload import Profile, synthetic
+    from cluster.lab.simulate import RequestTable, Simulator
+    from cluster.lab.workload import Profile, synthetic
 
     if workload == "agent":
         requests = synthetic(Profile.named("agent", sessions=200, hours=6))

@@ -1,4 +1,4 @@
-"""The retention lab's compiled build (``cluster.cachesim.native``): mypyc's C of the
+"""The retention lab's compiled build (``cluster.lab.native``): mypyc's C of the
 store, the tiers, the simulator and the sessions' loop counts exactly what the plain
 Python does, checkpoints included; a build follows its sources; no build, no harm.
 
@@ -23,10 +23,10 @@ def _scenario(checkpoint: Path) -> dict:
     hour 6 then resumed from a checkpoint; the outcome as JSON-able values."""
     from dataclasses import asdict
 
-    from cluster.cachesim import native
-    from cluster.cachesim.simulate import SimConfig, Simulator, simulate
-    from cluster.cachesim.sizes import Sizes
-    from cluster.cachesim.workload import CHUNK_TOKENS, Profile, synthetic
+    from cluster.lab import native
+    from cluster.lab.simulate import SimConfig, Simulator, simulate
+    from cluster.lab.sizes import Sizes
+    from cluster.lab.workload import CHUNK_TOKENS, Profile, synthetic
 
     class Killed(Exception):
         pass
@@ -54,7 +54,7 @@ def _scenario(checkpoint: Path) -> dict:
 
 @pytest.mark.slow
 def test_the_compiled_simulator_counts_what_the_plain_one_does(tmp_path):
-    from cluster.cachesim import native
+    from cluster.lab import native
 
     build = native.build()
     assert build.ok, build.reason  # the project depends on mypy, and a C compiler is there: a failure is a defect
@@ -77,7 +77,7 @@ def test_the_compiled_simulator_counts_what_the_plain_one_does(tmp_path):
 
 
 def test_a_build_follows_its_sources(tmp_path):
-    from cluster.cachesim import native
+    from cluster.lab import native
 
     root = tmp_path / "src"
     for top in native.SOURCES:
@@ -96,7 +96,7 @@ def test_a_build_follows_its_sources(tmp_path):
 
 
 def test_without_a_c_compiler_there_is_no_build_and_a_reason(tmp_path, monkeypatch):
-    from cluster.cachesim import native
+    from cluster.lab import native
 
     monkeypatch.setenv("CC", "false")
     build = native.build(tmp_path)
@@ -112,7 +112,7 @@ def test_without_a_c_compiler_there_is_no_build_and_a_reason(tmp_path, monkeypat
 
 def test_a_process_that_already_runs_the_plain_modules_is_not_switched(tmp_path):
     import storage.store  # noqa: F401 (plain Python, as the tests run it)
-    from cluster.cachesim import native
+    from cluster.lab import native
 
     with pytest.raises(RuntimeError, match="storage.store"):
         native.activate(tmp_path)
@@ -120,7 +120,7 @@ def test_a_process_that_already_runs_the_plain_modules_is_not_switched(tmp_path)
 
 
 if __name__ == "__main__":
-    from cluster.cachesim import native as _native
+    from cluster.lab import native as _native
 
     _native.activate(Path(sys.argv[1]))
     print(json.dumps(_scenario(Path(sys.argv[2]))))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cluster.cachesim import replay, workload
+from cluster.lab import replay, workload
 
 ROWS = [
     {"timestamp": 0, "input_length": 1500, "output_length": 300, "hash_ids": [0, 1, 2]},
@@ -59,7 +59,7 @@ def test_validate_agrees_with_a_live_cluster_across_a_store_restart():
 def test_the_report_writes_its_tables_plots_and_markdown(tmp_path):
     import pyarrow.parquet as pq
 
-    from cluster.cachesim.report import RETENTIONS_H, Cost, jobs, run_all
+    from cluster.lab.report import RETENTIONS_H, Cost, jobs, run_all
 
     summary = run_all(tmp_path, agent_sessions=12, agent_hours=6.0, workers=2, trace_rows=400)
     runs = pq.read_table(tmp_path / "runs.parquet").to_pylist()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cachesim.sessions import _Session
-from cluster.cachesim.workload import (
+from cluster.lab.sessions import _Session
+from cluster.lab.workload import (
     CHUNK_TOKENS,
     CONVERSATION_TRACE,
     SYNTHETIC_TRACE,
@@ -123,7 +123,7 @@ def test_a_session_is_held_only_while_it_runs():
 
 
 def test_the_agenda_gives_the_earliest_turn_and_equal_times_in_session_order():
-    from cluster.cachesim.sessions import _Agenda
+    from cluster.lab.sessions import _Agenda
 
     sessions = [_Session(i, 1, 0, 0, [], 0, []) for i in range(5)]
     agenda = _Agenda()
@@ -162,7 +162,7 @@ def test_profiles_are_one_file_of_checked_parameters(tmp_path):
 
 
 def test_object_sizes_come_from_the_models_own_serialisation():
-    from cluster.cachesim.sizes import from_config, v4_flash
+    from cluster.lab.sizes import from_config, v4_flash
     from model.accounting import kv_bytes_per_token
     from model.config import ModelConfig
     from model.formats import WINDOW_KV

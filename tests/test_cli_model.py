@@ -41,7 +41,7 @@ def test_released_model_accounting(full_report):
 def test_released_model_split_over_eight_devices(full_report):
     """`--parallel experts=8`: the decoder replica's bytes per worker, against the
     formats' arithmetic."""
-    from cluster.commands.params import extra_modules
+    from cluster.cli.params import extra_modules
     from model import formats
     from model.accounting import _stored_bytes
 

@@ -129,7 +129,7 @@ def test_compiled_step_is_an_app_setting_both_pools_warm_at_start(golden_dir, go
     anything is timed or served: requests build nothing. The prefill pool's compiled
     engine encodes the prompts to the bytes the eager one does."""
     from actors.replica import ModelBundle
-    from cluster.config import AppConfig
+    from actors.config import AppConfig
 
     config = AppConfig(model=str(golden_dir), compiled_step=True, ssd_dir=None)
     decoder, prefill = ModelBundle(config), ModelBundle(config, drop_decoder=True)

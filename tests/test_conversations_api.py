@@ -11,9 +11,9 @@ import pytest
 from openai.types.conversations import Conversation, ConversationItem, ConversationItemList
 from pydantic import TypeAdapter
 
-from cluster import conversations_api as conversations
-from cluster.openai_api import ApiError
-from cluster.responses_api import parse_responses
+from cluster.serving import conversations_api as conversations
+from cluster.serving.openai_api import ApiError
+from cluster.serving.responses_api import parse_responses
 
 MODEL = "m"
 CALL = {"type": "function_call", "call_id": "c1", "name": "count_lines", "arguments": '{"module": "glob"}'}

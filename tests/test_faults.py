@@ -22,7 +22,7 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import build_app
+from cluster.serving.app import build_app
 from tests.serve_harness import (
     health,
     health_response,

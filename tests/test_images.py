@@ -211,7 +211,7 @@ def test_images_decode_to_rgb_as_the_released_processor():
     import numpy as np
     from PIL import Image
 
-    from cluster.images import ImageLimits, read_image
+    from cluster.serving.images import ImageLimits, read_image
 
     limits = ImageLimits()
     rgba = np.zeros((2, 3, 4), dtype=np.uint8)
@@ -245,7 +245,7 @@ def test_images_decode_to_rgb_as_the_released_processor():
     ("ftp://x/y.png", "must be a data: URL"),
 ])
 def test_unusable_images_are_refused_with_a_reason(url, message):
-    from cluster.images import ImageError, ImageLimits, read_image
+    from cluster.serving.images import ImageError, ImageLimits, read_image
 
     with pytest.raises(ImageError, match=message):
         read_image(url, ImageLimits())
@@ -254,7 +254,7 @@ def test_unusable_images_are_refused_with_a_reason(url, message):
 def test_image_limits_and_the_allowed_directory(tmp_path):
     import numpy as np
 
-    from cluster.images import ImageError, ImageLimits, read_image
+    from cluster.serving.images import ImageError, ImageLimits, read_image
 
     raw = _encoded(np.random.default_rng(0).integers(0, 256, (40, 30, 3)))  # ~3.6 KB: noise does not compress
     with pytest.raises(ImageError, match="over 100 bytes"):
@@ -288,7 +288,7 @@ def test_image_parts_render_as_image_tokens_in_place(golden_dir):
 
 
 def test_the_api_reads_image_parts_and_names_mistakes():
-    from cluster import openai_api as api
+    from cluster.serving import openai_api as api
 
     def read(url, earlier):
         if url == "bad":
@@ -360,7 +360,7 @@ def _turn(pools, tokens: list[int], images: tuple, n: int = 6):
 
 def test_a_returning_turn_reads_its_image_from_the_store_not_the_tower(image_pools):
     from actors.state import PromptImage
-    from cluster.images import pixel_digest
+    from cluster.serving.images import pixel_digest
 
     engine, _, _, encoder, checkpoint = image_pools
     pixels = _image(1)
@@ -387,7 +387,7 @@ def test_a_returning_turn_reads_its_image_from_the_store_not_the_tower(image_poo
 
 def test_the_decoder_pool_holds_no_vision_weights(reader, monkeypatch):
     from actors.replica import ModelBundle
-    from cluster.config import AppConfig
+    from actors.config import AppConfig
     from model import loader
 
     directory, _, _ = reader

@@ -12,7 +12,7 @@ import pytest
 SCRIPT = """
 import ctypes, sys
 import torch
-from cluster.commands import keep_heap
+from cluster.cli.training import keep_heap
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

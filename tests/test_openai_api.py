@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from cluster.openai_api import ApiError, parse_chat, parse_completion, parse_json
+from cluster.serving.openai_api import ApiError, parse_chat, parse_completion, parse_json
 
 MODEL = "m"
 
@@ -212,7 +212,7 @@ def test_streamed_tool_calls_assemble_in_the_openai_sdk(thinking):
     stream accumulator, give the message the non-streaming response gives."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
-    from cluster.openai_api import ChatAnswer, chat_choice, chat_chunk, chat_chunks, chat_response
+    from cluster.serving.openai_api import ChatAnswer, chat_choice, chat_chunk, chat_chunks, chat_response
     from model.tools import ToolCall, calls_text
 
     tokenizer = _released_tokenizer()
@@ -270,7 +270,7 @@ def test_forced_calls_and_json_answers_are_parsed():
 
 
 def test_a_strict_tools_call_that_breaks_its_schema_comes_back_as_text():
-    from cluster.openai_api import ChatAnswer
+    from cluster.serving.openai_api import ChatAnswer
     from model.tools import ToolCall, calls_text
 
     tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from cluster import records
-from cluster.openai_api import ApiError
-from cluster.records import Records
+from cluster.serving import records
+from cluster.serving.openai_api import ApiError
+from cluster.serving.records import Records
 from storage.redis_link import RedisLink
 from storage.redis_server import RedisServer
 from tests.redis_server import redis_server  # noqa: F401  (fixture)

@@ -13,8 +13,8 @@ from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
-from cluster.openai_api import OPENAI_EFFORT, ApiError
-from cluster.responses_api import (
+from cluster.serving.openai_api import OPENAI_EFFORT, ApiError
+from cluster.serving.responses_api import (
     RecentRecords,
     ResponseBuilder,
     encoded,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.routing import MOVE_SLACK, rank_replicas
+from cluster.serving.routing import MOVE_SLACK, rank_replicas
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def test_a_busy_cache_node_gives_way_to_the_least_loaded_replica():
 
 
 def test_the_routers_own_count_sends_a_request_to_its_cache_or_to_the_least_backlog():
-    from cluster.routing import DecoderLoad
+    from cluster.serving.routing import DecoderLoad
 
     def chosen(*args, **kwargs):
         choice = load.choose(*args, **kwargs)
@@ -89,7 +89,7 @@ def test_the_affinity_router_publishes_the_pool_it_knows():
     router publishes them as Serve updates them, and forgets a dead one."""
     from types import SimpleNamespace
 
-    from cluster.routing import PrefixAffinityRouter, known_replicas
+    from cluster.serving.routing import PrefixAffinityRouter, known_replicas
 
     class Published(PrefixAffinityRouter):
         def __init__(self):  # (no Serve around: only what _publish reads)
@@ -120,7 +120,7 @@ def test_the_routers_let_serve_back_off_when_every_replica_is_full():
 
     from ray.serve._private.request_router.common import PendingRequest
 
-    from cluster.routing import PrefixAffinityRouter, RoundRobinRouter
+    from cluster.serving.routing import PrefixAffinityRouter, RoundRobinRouter
 
     @dataclass(frozen=True)
     class ReplicaId:
@@ -169,7 +169,7 @@ def test_the_ingress_knows_the_pool_and_its_choice_is_where_requests_go():
     import ray
     from ray import serve
 
-    from cluster.routing import request_router_config
+    from cluster.serving.routing import request_router_config
 
     @serve.deployment(num_replicas=3, request_router_config=request_router_config("affinity"),
                       ray_actor_options={"num_cpus": 0})
@@ -183,12 +183,12 @@ def test_the_ingress_knows_the_pool_and_its_choice_is_where_requests_go():
             self.pool = pool
 
         async def __call__(self, preferred: str | None = None) -> tuple[dict, str]:
-            from cluster.routing import known_replicas
+            from cluster.serving.routing import known_replicas
 
             answered = await self.pool.who.remote(preferred_replica=preferred)
             return known_replicas(self.pool.app_name, self.pool.deployment_name), answered
 
-    from cluster.commands.serve import use_serve_environment
+    from cluster.serving.local import use_serve_environment
     from storage.redis_server import free_port
 
     # Serve as the app runs it (direct ingress on a port of its own): a test before this

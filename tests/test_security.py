@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from cluster.openai_api import ApiError, parse_chat
-from cluster.responses_api import parse_responses
+from cluster.serving.openai_api import ApiError, parse_chat
+from cluster.serving.responses_api import parse_responses
 
 MODEL = "m"
 MAX_TOOLS = 128  # OpenAI's limit
@@ -94,7 +94,7 @@ def test_a_ref_to_a_url_or_a_file_is_a_400_naming_it_and_nothing_is_fetched(list
 
 
 _CHECK_A_CATASTROPHIC_PATTERN = """
-from cluster.openai_api import ChatAnswer, parse_chat
+from cluster.serving.openai_api import ChatAnswer, parse_chat
 from model.tools import ToolCall, calls_text
 tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
     "type": "object", "properties": {"x": {"type": "string", "pattern": "^(a+)+$"}}, "required": ["x"]}}}
@@ -149,7 +149,7 @@ def test_response_metadata_is_bounded_as_openai_bounds_it():
 
 
 def test_a_conversations_items_are_bounded():
-    from cluster import conversations_api
+    from cluster.serving import conversations_api
 
     record = conversations_api.created({"items": []})
     record = {**record, "items": [{"id": f"msg_{i}", "type": "message"} for i in range(MAX_CONVERSATION_ITEMS - 1)]}
@@ -169,7 +169,7 @@ def _one_bit_png(width: int, height: int) -> str:
 
 
 def test_a_requests_images_are_bounded_in_pixels_all_together():
-    from cluster.images import ImageLimits, read_image
+    from cluster.serving.images import ImageLimits, read_image
 
     limits = ImageLimits(max_pixels=30_000, max_request_pixels=50_000)
     decoded = []
@@ -194,7 +194,7 @@ def test_a_requests_images_are_bounded_in_pixels_all_together():
 def test_a_file_url_under_the_image_folder_must_be_a_regular_file(tmp_path):
     import os
 
-    from cluster.images import ImageError, ImageLimits, read_image
+    from cluster.serving.images import ImageError, ImageLimits, read_image
 
     fifo = tmp_path / "pipe.png"
     os.mkfifo(fifo)  # reading it would wait for a writer for ever
@@ -218,7 +218,7 @@ def test_a_file_url_under_the_image_folder_must_be_a_regular_file(tmp_path):
 
 
 def test_example_agent_tools_import_only_their_modules_and_bound_arithmetic():
-    from cluster.stdlib_tools import run_tool
+    from model.training.stdlib_tools import run_tool
 
     for name in ("antigravity", "this", "tkinter"):  # (importing them opens a browser, prints, needs a display)
         assert run_tool("count_names", {"module": name}).startswith("error: ValueError")
@@ -315,7 +315,7 @@ def test_the_ray_token_v41_serve_writes_is_private_and_anothers_is_left_alone(tm
     import os
     import stat
 
-    from cluster.commands.ray_token import ensure_private_token
+    from cluster.serving.ray_token import ensure_private_token
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):

@@ -17,8 +17,9 @@ import pytest
 import redis
 from redis.connection import parse_url
 
-from cluster.cli import UserError, main
-from cluster.commands.serve import add_arguments, app_arguments
+from cluster import UserError
+from cluster.cli import main
+from cluster.cli.serve import add_arguments, app_arguments
 from storage.keys import Fingerprint, chunk_keys
 from storage.policy import RetentionPolicy
 from storage.redis_server import RedisServer

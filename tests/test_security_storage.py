@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from actors.store import StoreSettings
-from cluster.commands.serve import API_KEY_ENV, add_arguments, app_arguments
-from cluster.config import AppConfig
+from cluster.cli.serve import API_KEY_ENV, add_arguments, app_arguments
+from actors.config import AppConfig
 from storage.keys import Fingerprint, chunk_keys
 from storage.policy import RetentionPolicy
 from storage.slots import SlotError, claim

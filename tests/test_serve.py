@@ -13,7 +13,7 @@ import openai
 import pytest
 import ray
 
-from cluster.router import parse_server_timing
+from cluster.serving.router import parse_server_timing
 from model.chat import ChatTemplate, Message, Tokenizer
 from model.runtime.engine import Engine
 from tests.serve_harness import GOLDEN, health, replica_actor_name, running_app

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import UserError
-from cluster.commands.serve import API_KEY_ENV, add_arguments, app_arguments
-from cluster.config import AppConfig
+from cluster import UserError
+from cluster.cli.serve import API_KEY_ENV, add_arguments, app_arguments
+from actors.config import AppConfig
 from storage.slots import cache_home, slots_template
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def test_an_external_redis_and_the_environment_for_a_cluster(monkeypatch, capsys
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     monkeypatch.delenv("V41_REDIS_PASSWORD", raising=False)  # (its password: tests/test_security_redis.py)
     assert parse("--redis-url", "redis://redis.internal:6379/0")["redis_url"] == "redis://redis.internal:6379/0"
-    from cluster.commands.serve import run
+    from cluster.cli.serve import run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def cluster():
     from ray.cluster_utils import Cluster
 
-    from cluster.commands.serve import use_serve_environment
+    from cluster.serving.local import use_serve_environment
     from storage.redis_server import free_port
 
     port = free_port()

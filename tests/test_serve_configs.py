@@ -8,7 +8,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.config import AppConfig, resolve_model
+from actors.config import AppConfig, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_deploy_configs_parse(name):
     schema = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "configs" / name).read_text()))
     (app,) = schema.applications
-    assert app.import_path == "cluster.app:build_app"
+    assert app.import_path == "cluster.serving.app:build_app"
     args = dict(app.args)
     if name == "serve-cluster.yaml":  # its model lives on the cluster's nodes
         args["model"] = "tests/golden/A"
@@ -56,13 +56,13 @@ def test_a_pool_split_is_checked_against_the_model():
         AppConfig.from_args({**model, "decoder_parallel": {"experts": 2}, "compiled_step": True})
     with pytest.raises(ValueError, match="unknown application argument 'decoder_parallel.expert'"):
         AppConfig.from_args({**model, "decoder_parallel": {"expert": 2}})
-    from cluster.app import decoder_options
+    from cluster.serving.app import decoder_options
 
     assert decoder_options(AppConfig.from_args({**model, "decoder_parallel": {"experts": 2}}))["health_check_period_s"] == 2
 
 
 def test_the_decoder_pool_queues_at_the_router_and_autoscales_on_its_batch():
-    from cluster.app import decoder_options
+    from cluster.serving.app import decoder_options
 
     fixed = decoder_options(AppConfig.from_args({"max_batch": 16, "max_queued_requests": 100}))
     assert (fixed["num_replicas"], fixed["max_ongoing_requests"], fixed["max_queued_requests"]) == (1, 20, 100)

@@ -299,7 +299,7 @@ def test_a_client_gone_while_its_admission_waits_leaves_no_request_in_the_batch(
 
     from actors.decoder import DecoderPool
     from actors.replica import one_thread_executor
-    from cluster.metrics import DecoderMetrics
+    from actors.metrics import DecoderMetrics
 
     engine, store, naming = pools
     pool = object.__new__(DecoderPool.func_or_class)

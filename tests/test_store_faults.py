@@ -33,7 +33,7 @@ CHILD = textwrap.dedent("""
     from storage.keys import Fingerprint, chunk_keys
     from storage.policy import RetentionPolicy
     from storage.store import StoreConfig, TieredStore
-    from storage.tiers.ssd import write_all
+    from storage.ssd_tier import write_all
 
     root, ready, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     fp = Fingerprint.of("tiny", {"layers": 4})

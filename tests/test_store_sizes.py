@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from storage.keys import Fingerprint, Kind, ObjectKey
 from storage.policy import RetentionPolicy
 from storage.store import StoreConfig, TieredStore
-from storage.tiers.sized import SizedPayload
+from storage.sized import SizedPayload
 
 FINGERPRINT = Fingerprint(bytes(range(16)))
 POLICY = RetentionPolicy(ram_capacity_bytes=3000, chunk_retention_hours=1.0, window_ttl_minutes=10.0,

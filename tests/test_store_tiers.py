@@ -14,7 +14,7 @@ from storage.codec import HEADER_BYTES
 from storage.keys import Fingerprint, Kind, chunk_keys, window_key
 from storage.policy import RetentionPolicy, TierName
 from storage.store import StoreConfig, TieredStore
-from storage.tiers.ssd import write_all
+from storage.ssd_tier import write_all
 
 FP = Fingerprint.of("tiny", {"layers": 4})
 KEYS = chunk_keys(FP, range(64 * 40), 64)

@@ -1,5 +1,5 @@
-"""The tool world the small model is fine-tuned on (`cluster.stdlib_tools`) and its
-synthetic conversations (`cluster.tool_data`): right answers, a closed arithmetic,
+"""The tool world the small model is fine-tuned on (`model.training.stdlib_tools`) and its
+synthetic conversations (`model.training.tool_data`): right answers, a closed arithmetic,
 held-out modules never trained on, the loss on exactly the assistant turns, and every
 gold call inside the grammar constrained decoding enforces."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from cluster import stdlib_tools, tool_data
-from cluster.stdlib_tools import BY_NAME, run_tool
+from model.training import stdlib_tools, tool_data
+from model.training.stdlib_tools import BY_NAME, run_tool
 from model.chat import ChatTemplate, Tokenizer
 from model.runtime.grammar import GrammarCompiler, tool_call_grammar
 from model.tools import calls_text

@@ -38,7 +38,7 @@ def test_the_shipped_model_copies_a_sequence_it_has_not_seen():
     the second ``x`` predicted greedily (the reference forward on the stored FP8/FP4
     weights). Measured 0.812 / 0.747 / 0.779 at L = 10 / 20 / 40; a model trained on code
     alone predicts none of it (0.000), whatever its loss."""
-    from cluster.commands.train_small import INDUCTION_ALPHABETS, INDUCTION_PROBES, Repeats
+    from cluster.cli.train_small import INDUCTION_ALPHABETS, INDUCTION_PROBES, Repeats
     from model.loader import load_checkpoint, load_hasher
 
     checkpoint = load_checkpoint(SMALL)

@@ -165,7 +165,7 @@ def test_lr_schedule():
 
 
 def test_tokenizer_training_is_deterministic():
-    from cluster.commands import train_small
+    from cluster.cli.training import train_small
 
     corpus = train_small.load_corpus(max_files=20)
     a = train_small.train_tokenizer(corpus.train, 400)
@@ -176,7 +176,7 @@ def test_tokenizer_training_is_deterministic():
 
 @pytest.fixture(scope="module")
 def small_bpe():
-    from cluster.commands import train_small
+    from cluster.cli.training import train_small
 
     return train_small.train_tokenizer(train_small.load_corpus(max_files=60).train, 1024)
 
@@ -198,7 +198,7 @@ def test_a_word_is_the_same_tokens_after_a_space_as_alone(small_bpe, words):
 
 
 def test_the_tool_markup_is_one_token(small_bpe):
-    from cluster.commands.train_small import DSML, tokenizer_config
+    from cluster.cli.train_small import DSML, tokenizer_config
     from model.chat import Tokenizer
     from model.tools import DSML as MARKUP
 
@@ -213,7 +213,7 @@ def test_the_tool_markup_is_one_token(small_bpe):
 def test_loss_plot_is_a_png_of_the_asked_size(tmp_path):
     import struct
 
-    from cluster.commands import train_small
+    from cluster.cli.training import train_small
 
     log = {"steps": [1, 2, 3], "loss": [7.0, 6.0, 5.5], "eval": [[3, 5.8]]}
     train_small.write_loss_png(tmp_path / "loss.png", log, baseline=6.4, width=320, height=200)
@@ -283,7 +283,7 @@ def test_train_small_rejects_resume_without_state(tmp_path, capsys):
 def test_copy_rows_repeat_the_users_tokens_after_the_assistant_header():
     """`v41 train-tools`'s copy chats: <bos><User>Repeat: X<Assistant><think></think> X
     <eos>, X shown with a leading space and said with or without it, then the stream."""
-    from cluster.commands.train_small import ASSISTANT, BOS, EOS, THINK_END, USER, Batches, load_corpus, token_stream
+    from cluster.cli.train_small import ASSISTANT, BOS, EOS, THINK_END, USER, Batches, load_corpus, token_stream
     from model.loader import load_tokenizer
 
     bpe = load_tokenizer(Path(__file__).resolve().parent.parent / "configs" / "small")
@@ -308,7 +308,7 @@ def test_a_run_given_only_steps_is_not_cut_by_the_default_minutes():
     import argparse
     import math
 
-    from cluster.commands import time_budget, train_drafter, train_small, train_tools
+    from cluster.cli.training import time_budget, train_drafter, train_small, train_tools
 
     assert time_budget(None, 790, 45.0) == math.inf  # the steps bound the run
     assert time_budget(None, None, 45.0) == 45 * 60  # nothing given: the default
@@ -346,7 +346,7 @@ def test_train_small_refuses_an_induction_phase_that_could_not_run(options, mess
 def test_repeat_rows_copy_their_tokens_and_weigh_only_the_predictable_copy():
     """The induction curriculum's rows: <bos> x x, x distinct tokens from the current
     alphabet of ordinary tokens, the loss on the second copy's tokens after its first."""
-    from cluster.commands.train_small import INDUCTION_LENGTHS, SPECIAL_TOKENS, Repeats
+    from cluster.cli.train_small import INDUCTION_LENGTHS, SPECIAL_TOKENS, Repeats
 
     repeats = Repeats(vocab_size=4096)
     generator = torch.Generator().manual_seed(0)
@@ -366,7 +366,7 @@ def test_repeat_rows_copy_their_tokens_and_weigh_only_the_predictable_copy():
 
 
 def test_the_repeat_alphabet_widens_only_when_every_probe_passes():
-    from cluster.commands.train_small import INDUCTION_PASS, SPECIAL_TOKENS, Repeats
+    from cluster.cli.train_small import INDUCTION_PASS, SPECIAL_TOKENS, Repeats
 
     repeats = Repeats(vocab_size=4096)
     assert not repeats.update([0.9, INDUCTION_PASS - 0.01, 0.95]) and repeats.alphabet() == 64
@@ -393,7 +393,7 @@ class _Copier(torch.nn.Module):
 
 
 def test_repeat_accuracy_scores_a_perfect_copier_one_and_an_echo_near_zero():
-    from cluster.commands.train_small import Repeats
+    from cluster.cli.train_small import Repeats
 
     repeats = Repeats(vocab_size=512, stage=3)
     assert repeats.accuracy(_Copier(512), None, seed=0, reference=True) == [1.0, 1.0, 1.0]

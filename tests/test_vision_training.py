@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cluster.commands.train_vision import (
+from cluster.cli.train_vision import (
     Example,
     _loss,
     char_accuracy,
@@ -96,7 +96,7 @@ def test_a_run_from_init_starts_from_that_tower(tmp_path):
 
     import pytest
 
-    from cluster.commands import train_vision
+    from cluster.cli.training import train_vision
     from model.config import VisionConfig
     from model.loader import add_vision_tower, load_checkpoint
     from tests.vision_model import GOLDEN

@@ -104,7 +104,7 @@ class _Agent:
 
 async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | None:
     """Send the agent's history; record the turn; append the answer and a tool result."""
-    from cluster.router import parse_server_timing  # (the Serve app's module: not at `v41` start-up)
+    from cluster.serving.router import parse_server_timing  # (the Serve app's module: not at `v41` start-up)
 
     body = {"model": model, "messages": agent.messages, "max_tokens": args.max_tokens, "temperature": 0.7,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -222,9 +222,9 @@ def run(args: argparse.Namespace) -> int:
     from ray.cluster_utils import Cluster
 
     from actors.store import tier_totals
-    from cluster.cli import UserError
-    from cluster.commands.serve import default_model, local_app, use_serve_environment
-    from cluster.config import AppConfig
+    from cluster import UserError
+    from cluster.serving.local import default_model, local_app, use_serve_environment
+    from actors.config import AppConfig
     from storage.redis_server import free_port
 
     model = args.model or default_model()

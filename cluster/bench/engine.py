@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return _profile(args)
     import torch
 
-    from cluster.cli import UserError
+    from cluster import UserError
     from model.config import ConfigError, ModelConfig
     from model.runtime.engine import Engine
     from model.engram import EngramLayout, NgramHasher

@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from actors.engram import EngramService, EngramServiceConfig
-    from cluster.cli import UserError
+    from cluster import UserError
     from model.runtime.engine import Engine
 
     try:

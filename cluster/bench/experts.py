@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     from actors.expert_workers import LocalExpertWorkers
     from cluster.bench.engine import greedy_decode_rate
-    from cluster.cli import UserError
+    from cluster import UserError
     from model.loader import CheckpointError, load_hasher, load_model
     from model.runtime.engine import Engine
 

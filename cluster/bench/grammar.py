@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from cluster.bench.spec import _prompts
-    from cluster.cli import UserError
+    from cluster import UserError
     from model.chat import Tokenizer
     from model.config import ConfigError
     from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer

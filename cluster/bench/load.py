@@ -81,9 +81,9 @@ async def _load(url: str, model: str, args: argparse.Namespace) -> tuple[list, C
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import UserError
-    from cluster.commands.serve import default_model, local_app
-    from cluster.config import AppConfig
+    from cluster import UserError
+    from cluster.serving.local import default_model, local_app
+    from actors.config import AppConfig
     from storage.redis_server import free_port
 
     model = args.model or default_model()

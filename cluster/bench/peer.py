@@ -136,7 +136,7 @@ def _figures(prefill_s: float, decode_s: float, tokens: list[int], loaded_mb: fl
 
 def _side(side: str, args: argparse.Namespace, length: int, seed: int) -> dict:
     """One side's run in a fresh process (its own peak memory)."""
-    from cluster.cli import UserError
+    from cluster import UserError
 
     argv = [sys.executable, "-m", "cluster.bench.peer", side, str(args.checkpoint), str(length),
             str(args.new_tokens), str(seed), str(args.threads), "1" if args.compiled else "0"]
@@ -155,7 +155,7 @@ def _agreement(a: list[int], b: list[int]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import UserError
+    from cluster import UserError
     from model.config import ConfigError, ModelConfig
 
     try:

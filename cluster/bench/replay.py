@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from cluster.commands.forward import load_or_fail, read_id_lists
+    from cluster.inputs import load_or_fail, read_id_lists
     from model.runtime.engine import Engine
 
     config, model, hasher = load_or_fail(args.checkpoint)

@@ -59,7 +59,7 @@ def _prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
     """Windows of the held-out stdlib files (deterministic)."""
     import torch
 
-    from cluster.commands.train_small import load_corpus, token_stream
+    from cluster.cli.train_small import load_corpus, token_stream
 
     stream = token_stream(tokenizer, load_corpus().held_out)
     generator = torch.Generator().manual_seed(seed)
@@ -222,7 +222,7 @@ def _print_rows(rows: dict[int, dict[str, float]], names: list[str], fixed: list
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import UserError
+    from cluster import UserError
     from model.runtime.batcher import Speculation
     from model.config import ConfigError
     from model.runtime.engine import Engine

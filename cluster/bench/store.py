@@ -212,7 +212,7 @@ def _redis_rows(objects: _Objects, size_kib: int, reps: int, url: str) -> list[R
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import UserError
+    from cluster import UserError
 
     try:
         sizes = [int(s) for s in args.sizes.split(",")]

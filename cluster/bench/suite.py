@@ -197,7 +197,7 @@ def headline(result: dict, depth: int = 2) -> dict[str, float]:
 
 
 def _pick(spec: str | None, what: str) -> set[str]:
-    from cluster.cli import UserError
+    from cluster import UserError
 
     names = {name.strip() for name in (spec or "").split(",") if name.strip()}
     unknown = names - {entry.name for entry in SUITE}
@@ -235,7 +235,7 @@ def _run_one(entry: Entry, timeout_s: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import UserError
+    from cluster import UserError
 
     only, skip = _pick(args.only, "only"), _pick(args.skip, "skip")
     if args.timeout <= 0:

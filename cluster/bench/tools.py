@@ -1,6 +1,6 @@
 """`v41 bench tools`: how well a checkpoint calls tools, on held-out conversations.
 
-Conversations of :mod:`cluster.tool_data` in two held-out splits: ``held_out``
+Conversations of :mod:`model.training.tool_data` in two held-out splits: ``held_out``
 (modules the fine-tune never saw, training phrasings) and ``held_out_phrasing``
 (held-out modules, phrasings never seen). Each assistant turn is generated greedily
 by the engine from the gold history before it (teacher forcing), with the tools the
@@ -102,7 +102,7 @@ def _score_answer(answer: tuple[str, bool], conv, index: int) -> dict[str, bool]
 def _served_grammar(tools, choice: str, dsml: int | None) -> tuple[str, tuple[int, ...]] | None:
     """The grammar, and the tokens it starts after, that the server gives an answer
     under ``tool_choice`` ``choice`` (thinking off), or None for a free answer."""
-    from cluster.openai_api import GenerationRequest
+    from cluster.serving.openai_api import GenerationRequest
     from model.runtime.sampling import SamplingParams
 
     chosen = GenerationRequest("bench", SamplingParams(), False, False, tools=tuple(tools),
@@ -115,7 +115,7 @@ def evaluate_tools(checkpoint_dir: Path, n: int = 100, seed: int = 1,
     """The scores (shares of turns) per split and turn kind, free and constrained."""
     import torch
 
-    from cluster import tool_data
+    from model.training import tool_data
     from model.chat import ChatTemplate, Tokenizer
     from model.loader import load_checkpoint, load_hasher
     from model.runtime.engine import Engine
@@ -159,7 +159,7 @@ def evaluate_tools(checkpoint_dir: Path, n: int = 100, seed: int = 1,
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import UserError
+    from cluster import UserError
     from model.config import ConfigError
     from model.loader import CheckpointError
 

@@ -52,7 +52,7 @@ def _png(height: int, width: int, seed: int) -> bytes:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import UserError
+    from cluster import UserError
     from model.config import VisionConfig
 
     try:
@@ -88,7 +88,7 @@ def _per_image(model: Path, sizes: list[tuple[int, int]], repeats: int) -> list[
 
     from actors.prefill import ImageEncoder
     from actors.state import PromptImage
-    from cluster.images import ImageLimits, decode_image
+    from cluster.serving.images import ImageLimits, decode_image
     from model.loader import load_checkpoint
     from model.vision import plan_image, preprocess_image
 
@@ -119,7 +119,7 @@ def _per_image(model: Path, sizes: list[tuple[int, int]], repeats: int) -> list[
 
 
 def _ttft(model: Path, workdir: Path, repeats: int) -> dict:
-    from cluster.commands.serve import local_app
+    from cluster.serving.local import local_app
     from storage.redis_server import free_port
 
     port = free_port()

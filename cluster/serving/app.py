@@ -1,0 +1,59 @@
+"""The Ray Serve application: the router (ingress), the prefill pool, the decoder pool.
+
+``build_app(args)`` validates its arguments into an :class:`AppConfig` and wires the
+deployments with ``.bind()``; ``serve run cluster.serving.app:build_app`` and the YAML
+configs in ``configs/`` use it. The deployments live beside the logic they run:
+:class:`actors.prefill.PrefillPool`, :class:`actors.decoder.DecoderPool`,
+:class:`cluster.serving.router.Router`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actors.decoder import DecoderPool
+from actors.prefill import PrefillPool
+from actors.config import AppConfig
+from cluster.serving.router import Router
+from cluster.serving.routing import request_router_config
+
+
+def decoder_options(config: AppConfig) -> dict[str, Any]:
+    """The decoder pool's Serve options. A replica takes its batch and a few more
+    requests (they wait in it for a place, and the prefetches get through); the rest
+    wait at the router's handle, up to ``max_queued_requests``, then get 429. With
+    ``decoder_max_replicas``, Serve's autoscaler reads the same numbers: it aims at one
+    full batch of ongoing requests per replica."""
+    options: dict[str, Any] = {
+        "request_router_config": request_router_config(config.routing),
+        "max_ongoing_requests": config.max_batch + max(4, config.max_batch // 4),
+        "max_queued_requests": config.max_queued_requests,
+        "ray_actor_options": {"num_cpus": 1, "resources": dict(config.decoder_resources)},
+        **health_options(config.decoder_parallel),
+    }
+    if config.decoder_max_replicas is None:
+        options["num_replicas"] = config.decoder_replicas
+    else:
+        options["autoscaling_config"] = {"min_replicas": config.decoder_replicas,
+                                         "max_replicas": config.decoder_max_replicas,
+                                         "target_ongoing_requests": config.max_batch}
+    return options
+
+
+def health_options(parallel) -> dict[str, Any]:
+    """A split replica is checked every 2 s (a lost expert worker fails its check, and
+    Serve replaces the replica whole); an unsplit one at Serve's default."""
+    return {"health_check_period_s": 2} if parallel.experts > 1 else {}
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """The application: ``serve run cluster.serving.app:build_app key=value ...`` or a YAML's ``args``."""
+    config = AppConfig.from_args(args)
+    prefill = PrefillPool.options(
+        num_replicas=config.prefill_replicas,
+        request_router_config=request_router_config(config.routing),
+        ray_actor_options={"num_cpus": 1, "resources": dict(config.prefill_resources)},
+        **health_options(config.prefill_parallel),
+    ).bind(config)
+    decoder = DecoderPool.options(**decoder_options(config)).bind(config)
+    return Router.options(ray_actor_options={"num_cpus": 0}).bind(config, prefill, decoder)

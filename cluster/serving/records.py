@@ -1,0 +1,203 @@
+"""The router's stored records: Responses API responses and Conversations API conversations.
+
+A record is JSON in the tiered store (:mod:`storage`), under a key made from its id
+(``response_key``, ``conversation_key``): written to this node's store actor and
+indexed in Redis, so any node's router finds it (its own store first, then the nodes
+the index names).
+
+- A response never changes once written. The router answers a next turn naming one it
+  wrote lately from memory (:class:`~cluster.serving.responses_api.RecentRecords`) and stores it
+  while the client reads the answer; a delete waits for a pending store.
+- A conversation changes (items are added and deleted, its metadata replaced), so it is
+  never read from memory. Every change is a new version: read the newest copy, change
+  it, write it to this node's store, remove the older copies other nodes hold. Changes
+  to one conversation take turns: a lock in this router, and one in Redis across
+  routers (while Redis is up; without it, two nodes changing one conversation at the
+  same instant keep the later write).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from cluster.serving import conversations_api, responses_api
+from cluster.serving.openai_api import ApiError
+from storage.keys import ObjectKey, conversation_key, response_key
+
+logger = logging.getLogger(__name__)
+
+LOCK_S = 30.0  # a conversation's Redis lock expires after this (a router that died holding it)
+LOCK_WAIT_S = 10.0  # a change waits this long for another router's, then is a 409
+
+
+class Records:
+    """Stored responses and conversations, read and written for one router.
+
+    ``node_store``: this node's store actor (a :class:`~actors.store.RemoteStore`),
+    made on first use (it raises :class:`ray.exceptions.RayError` while Ray cannot give
+    it); ``peer_store``: another node's, by node id; ``here``: this node's id; ``index``,
+    ``link``: the Redis location index and its link (None without Redis)."""
+
+    def __init__(self, node_store: Callable, peer_store: Callable, here: Callable[[], str], index=None, link=None,
+                 memory_bytes: int = 64 << 20) -> None:
+        self._make_store, self._peer_store, self._here = node_store, peer_store, here
+        self.index, self.link = index, link
+        self._store = None
+        # Responses this router wrote lately: a next turn naming one reads it here.
+        self.kept = responses_api.RecentRecords(memory_bytes)
+        self._keeping: dict[str, asyncio.Task] = {}  # responses whose store has not answered yet
+        self._turns: dict[str, list] = {}  # conversations being changed here
+
+    async def node_store(self):
+        """This node's store actor, or None while Ray cannot give it (then only the
+        responses kept in memory are read, and no conversation is)."""
+        if self._store is None:
+            from ray.exceptions import RayError
+
+            try:
+                self._store = await asyncio.to_thread(self._make_store)
+            except RayError as error:
+                logger.warning("no store actor on this node for stored responses and conversations: %s", error)
+        return self._store
+
+    def _peers(self, key: ObjectKey) -> list:
+        """The store actors of the other nodes the cluster index says hold ``key``."""
+        import ray
+
+        from storage.index import SHARED_NODE
+
+        located = self.index.locate([key], time.time()) if self.index is not None else None
+        nodes = {location.node_id for location in (located or [()])[0]} - {self._here(), SHARED_NODE}
+        try:
+            return [peer for peer in map(self._peer_store, sorted(nodes)) if peer is not None]
+        except ray.exceptions.RayError:  # Ray in trouble: the stores it cannot reach hold nothing
+            return []
+
+    @staticmethod
+    async def _get(store, key: ObjectKey) -> bytes | None:
+        return None if store is None else (await asyncio.to_thread(store.get_many, [key]))[0]
+
+    async def _remove_from(self, stores: list, key: ObjectKey) -> None:
+        await asyncio.gather(*(asyncio.to_thread(store.remove, key) for store in stores if store is not None))
+
+    # ------------------------------------------------------------------ responses
+    async def response(self, rid: str) -> dict | None:
+        """A stored response's record: the ones kept in memory, then this node's store,
+        then the nodes the cluster index says hold it; None if none has it."""
+        found = self.kept.get(rid)
+        if found is not None:
+            return found
+        key = response_key(rid)
+        if (found := responses_api.read_record(await self._get(await self.node_store(), key))) is not None:
+            return found
+        for peer in await asyncio.to_thread(self._peers, key):
+            if (found := responses_api.read_record(await self._get(peer, key))) is not None:
+                return found
+        return None
+
+    async def keep_response(self, rid: str, stored: dict) -> None:
+        """Keep a response's record in memory, and store and index it in this node's
+        store while the client gets the answer."""
+        payload = responses_api.encoded(stored)
+        self.kept.put(rid, stored, len(payload))
+        store = await self.node_store()
+        if store is None:
+            return
+
+        async def put() -> None:
+            try:
+                if not await store.put_now([(response_key(rid), payload)]):
+                    logger.warning("response %s: the store did not confirm it in time", rid)
+            finally:
+                self._keeping.pop(rid, None)
+
+        self._keeping[rid] = asyncio.ensure_future(put())
+
+    async def forget_response(self, rid: str) -> None:
+        """Delete a stored response from memory, this node's store and every other that holds it."""
+        key = response_key(rid)
+        self.kept.pop(rid)
+        if rid in self._keeping:  # (its store must not land after the delete)
+            await self._keeping[rid]
+        await self._remove_from([await self.node_store(), *await asyncio.to_thread(self._peers, key)], key)
+
+    # ------------------------------------------------------------------ conversations
+    async def _copies(self, cid: str) -> tuple[dict | None, list]:
+        """The newest copy of a conversation any node holds (None: there is none), and
+        the store actors of the other nodes that hold one."""
+        key = conversation_key(cid)
+        local, peers = await asyncio.gather(self._get(await self.node_store(), key),
+                                            asyncio.to_thread(self._peers, key))
+        copies = [local, *await asyncio.gather(*(self._get(peer, key) for peer in peers))]
+        records = [record for payload in copies if (record := conversations_api.read(payload, cid)) is not None]
+        return max(records, key=lambda record: record["version"], default=None), peers
+
+    async def conversation(self, cid: str) -> dict | None:
+        return (await self._copies(cid))[0]
+
+    async def change_conversation(self, cid: str, change: Callable[[dict], dict]) -> dict | None:
+        """Apply ``change`` (a record to its next version) to the newest version of a
+        conversation, in its turn, and store the result; None if there is none."""
+        async with self._turn(cid):
+            record, peers = await self._copies(cid)
+            if record is None:
+                return None
+            record = change(record)
+            await self.write_conversation(record, peers)
+        return record
+
+    async def write_conversation(self, record: dict, stale: Sequence = ()) -> None:
+        """Store a conversation's version in this node's store, then remove the older
+        copies of the ``stale`` stores (other nodes'); a 503 if this node's store does
+        not take it."""
+        cid, store = record["conversation"]["id"], await self.node_store()
+        key = conversation_key(cid)
+        # (put_now is False when Redis did not take the index entry: the store holds it all the same)
+        if store is None or (not await store.put_now([(key, conversations_api.encoded(record))])
+                             and (conversations_api.read(await self._get(store, key), cid) or {}).get("version")
+                             != record["version"]):
+            raise ApiError(503, "the conversation store is unavailable; retry shortly", kind="server_error",
+                           code="store_unavailable")
+        await self._remove_from(list(stale), key)
+
+    async def forget_conversation(self, cid: str) -> bool:
+        """Delete a conversation everywhere, in its turn; False if there is none."""
+        async with self._turn(cid):
+            record, peers = await self._copies(cid)
+            if record is not None:
+                await self._remove_from([await self.node_store(), *peers], conversation_key(cid))
+        return record is not None
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, cid: str) -> AsyncIterator[None]:
+        """Hold a conversation while it changes: this router's other changes to it wait,
+        and (while Redis is up) other routers' too; a 409 after ``LOCK_WAIT_S``."""
+        entry = self._turns.setdefault(cid, [asyncio.Lock(), 0])  # (the lock, requests using it)
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                lock = self._redis_lock(cid)
+                # (None: Redis is away, and this router's lock is the only one)
+                held = None if lock is None else await asyncio.to_thread(self.link.run, lambda _: lock.acquire())
+                if held is False:
+                    raise ApiError(409, f"conversation {cid!r} is being changed by another request; retry",
+                                   "conversation", code="conversation_locked")
+                try:
+                    yield
+                finally:
+                    if held:
+                        await asyncio.to_thread(self.link.run, lambda _: lock.release())
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._turns[cid]
+
+    def _redis_lock(self, cid: str):
+        if self.link is None or not self.link.up:
+            return None
+        return self.link.client.lock(self.link.key("conversation-turn", cid), timeout=LOCK_S,
+                                     blocking_timeout=LOCK_WAIT_S, thread_local=False, sleep=0.01)

@@ -1,1 +1,0 @@
-"""Storage tiers, each behind the small ``Tier`` interface of ``base.py``."""
