@@ -20,7 +20,6 @@ call runs on the event loop while the batch steps on.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -30,14 +29,16 @@ from dataclasses import dataclass
 from ray import serve
 
 from actors.config import AppConfig
-from model.chat import Tokenizer
+from model.tokenizer import Tokenizer
 from model.runtime.batcher import Batcher, Speculation, TokenEvent
 from model.runtime.cache import SequenceCache
-from model.runtime.engine import DecoderInput, Engine
+from model.runtime.engine import Engine
+from model.runtime.inputs import DecoderInput
 from model.runtime.sampling import SamplingParams
 from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
 from storage.keys import MediaSpan, ObjectKey
 
+from .events import Admission, Kept, Stored, Storing, Token
 from .prefill import Moved, PrefillService, StoreLike, read_through
 from .store import STORE_TIMEOUT_S
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
@@ -208,7 +209,7 @@ class DecoderPool:
         self.service = DecoderService(bundle.engine, store, bundle.naming, bundle.tokenizer,
                                       bundle.eos_ids, config.max_batch, speculation=bundle.speculation(config),
                                       peers=peer_store, resident_bytes=config.resident_mb << 20)
-        # Short new prompts are encoded here (see Router._events): the same logic as a
+        # Short new prompts are encoded here (see cluster/serving/dispatcher.py): the same logic as a
         # prefill replica, on this replica's engine and store.
         self.node_id = node_id()
         # This replica's name for the request router: a conversation it keeps is sent back here.
@@ -236,8 +237,8 @@ class DecoderPool:
 
     async def generate(self, handoff, params, request_id: str, preferred_nodes: list[str] | None = None,
                        preferred_replica: str | None = None):
-        """Yields one dict per generated token; the first also carries ``cached_tokens``,
-        ``prompt_tokens`` and ``replica_s`` (one stream item fewer per request).
+        """Yields the request's :class:`~actors.events.Token` events (the first with its
+        admission), then :class:`~actors.events.Stored` when its conversation is stored.
         ``preferred_nodes`` and ``preferred_replica`` are read by the request router
         (cache affinity, and the replica the ingress chose)."""
         arrived = time.time()
@@ -330,37 +331,28 @@ class DecoderPool:
         self.queues[request_id] = queue
         finished = False  # the batch let go of it on its own
         try:
-            handoff, first = await loop.run_in_executor(self.executor, admit)
+            handoff, event = await loop.run_in_executor(self.executor, admit)
             timeline = {**handoff.timeline, "admitted": admitted, "decode_out": time.time()}
-            said, storing = {}, None
-            if first.finish_reason is not None:
-                finished = True
-                leave_batch()
-                said, storing = self._store_conversation(request_id)
-            yield {**said, "cached_tokens": handoff.cached_tokens, "prompt_tokens": len(handoff.token_ids),
-                   "replica_s": handoff.prefill_s + self.service.last_admit_s, "timeline": timeline,
-                   "prefilled_by": handoff.prefilled_by, "moved_bytes": handoff.moved_bytes, "node": self.node_id,
-                   **dataclasses.asdict(first)}
-            if first.finish_reason is not None:
-                if storing is not None:
-                    yield await asyncio.shield(storing)  # a stream closed now leaves the store running
-                return
-            if self.stepping is None or self.stepping.done():
-                self.stepping = asyncio.create_task(self._step_loop())
+            admission = Admission(handoff.cached_tokens, len(handoff.token_ids),
+                                  handoff.prefill_s + self.service.last_admit_s, timeline, handoff.prefilled_by,
+                                  handoff.moved_bytes, self.node_id)
             while True:
-                event = await queue.get()
-                if isinstance(event, BaseException):
-                    raise event
-                said, storing = {}, None
+                storing, store = None, None
                 if event.finish_reason is not None:
                     finished = True
                     leave_batch()  # its place is free while the conversation is stored
-                    said, storing = self._store_conversation(request_id)
-                yield {**dataclasses.asdict(event), **said}
+                    storing, store = self._store_conversation(request_id)
+                yield Token.of(event, admission, storing)
+                admission = None
                 if event.finish_reason is not None:
-                    if storing is not None:
-                        yield await asyncio.shield(storing)  # a stream closed now leaves the store running
+                    if store is not None:
+                        yield await asyncio.shield(store)  # a stream closed now leaves the store running
                     return
+                if self.stepping is None or self.stepping.done():
+                    self.stepping = asyncio.create_task(self._step_loop())
+                event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise event
         finally:
             self.queues.pop(request_id, None)
             if not finished:
@@ -373,32 +365,31 @@ class DecoderPool:
                 await loop.run_in_executor(self.executor, self.service.cancel, request_id)
             self.service.forget(request_id)  # finished, but its client left before the end
 
-    def _store_conversation(self, request_id: str) -> tuple[dict, asyncio.Future | None]:
+    def _store_conversation(self, request_id: str) -> tuple[Storing | None, asyncio.Future | None]:
         """Start storing a finished request's conversation in this node's RAM tier and
-        indexing it; returns what the request's last event says about it and the store
-        call, whose end is the stream's one event after the last token: ``{"stored_at":
-        when it ended, "stored": whether the store took it in time}``. The last event
-        names the objects (``"storing"``): the router holds a turn that continues the
-        conversation until they are stored (cluster/serving/router.py), so that the next turn,
-        sent the moment the answer is complete, finds every chunk. The store runs on
-        whether or not the stream is read to its end; one that does not answer in time
-        costs the next turn its hit, never this request. Nothing to store: ``({}, None)``."""
+        indexing it; returns what the request's last token says of it (a
+        :class:`~actors.events.Storing` naming the objects, and where the conversation is
+        kept in memory) and the store call, whose end is the stream's one event after
+        the last token (:class:`~actors.events.Stored`). The router holds a turn that
+        continues the conversation until it is stored (:mod:`cluster.serving.planner`),
+        so that the next turn, sent the moment the answer is complete, finds every
+        chunk. The store runs on whether or not the stream is read to its end; one that
+        does not answer in time costs the next turn its hit, never this request.
+        Nothing to store: ``(None, None)``."""
         objects, length = self.service.finished_conversation(request_id)
         if not objects:
-            return {}, None
+            return None, None
 
-        async def store() -> dict:
+        async def store() -> Stored:
             stored = await self.service.store.put_now(objects)
-            return {"stored_at": time.time(), "stored": bool(stored)}
+            return Stored(time.time(), bool(stored))
 
         storing = asyncio.ensure_future(store())
-        said: dict = {"storing": StoringConversation(tuple(key for key, _ in objects), length)}
-        kept = self.service.keep_resident(request_id)
+        name = self.service.keep_resident(request_id)
         if self.service.resident is not None:
             self.metrics.resident_bytes.set(self.service.resident.stats().bytes)
-        if kept is not None:  # the router sends the next turn back here
-            said.update(resident=kept, replica=self.replica_id, node=self.node_id)
-        return said, storing
+        kept = Kept(name, self.replica_id, self.node_id) if name is not None else None  # the next turn comes here
+        return Storing(StoringConversation(tuple(key for key, _ in objects), length), kept), storing
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -6,7 +6,7 @@ The released checkpoint stores each Engram layer's table as two safetensors tens
     layers.{L}.engram.embed.scale   F8_E8M0 [rows, head_dim / 32]
 
 (``model.``-prefixed in Hugging Face exports; small test checkpoints may store float
-rows, whose scale is then unused, as in :class:`model.engram.EngramEmbedding`).
+rows, whose scale is then unused, as in :class:`model.engram_gate.EngramEmbedding`).
 
 A *shard* is the same contiguous fraction of rows of every Engram table. An
 :class:`EngramShard` memory-maps exactly its byte ranges of the checkpoint files
@@ -19,14 +19,14 @@ Shapes: ``U`` = unique rows asked of one table, ``D`` = ``head_dim``.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from model.checkpoint_files import tensor_index
 
 __all__ = [
     "EngramTable",
@@ -98,25 +98,6 @@ class EngramTable:
         return self.scale is not None
 
 
-def _safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header JSON, absolute offset of the data section) of one safetensors file.
-
-    Format: 8-byte little-endian header length ``N``, ``N`` bytes of JSON mapping each
-    tensor name to ``{dtype, shape, data_offsets: [begin, end)}`` relative to the data
-    section, which starts at ``8 + N``.
-    """
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    return header, 8 + length
-
-
-def _checkpoint_files(directory: Path) -> list[Path]:
-    from model.loader import checkpoint_files
-
-    return checkpoint_files(directory)
-
-
 def _table_names(layer_id: int) -> tuple[str, ...]:
     stem = f"layers.{layer_id}.engram.embed"
     return (stem, "model." + stem)
@@ -124,25 +105,20 @@ def _table_names(layer_id: int) -> tuple[str, ...]:
 
 def read_engram_tables(directory: str | Path, layer_ids: tuple[int, ...] | list[int]) -> tuple[EngramTable, ...]:
     """Locate the Engram tables of ``layer_ids`` (in that order) in a checkpoint
-    directory by reading only the safetensors headers. Raises ``ValueError`` when a
+    directory by reading only the safetensors headers (:mod:`model.checkpoint_files`,
+    which checks that each byte span holds its shape). Raises ``ValueError`` when a
     table is missing, malformed or stored in a dtype the service does not serve."""
     directory = Path(directory)
     found: dict[str, TensorLocation] = {}
-    for path in _checkpoint_files(directory):
-        header, data_start = _safetensors_header(path)
-        for name, info in header.items():
-            if ".engram.embed." not in name or name == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            shape = tuple(int(v) for v in info["shape"])
-            if len(shape) != 2:
-                raise ValueError(f"{path}: {name} has shape {list(shape)}, expected [rows, cols]")
-            if info["dtype"] not in _DTYPES:
-                raise ValueError(f"{path}: {name} is stored as {info['dtype']}; the Engram service reads {sorted(_DTYPES)}")
-            location = TensorLocation(str(path.resolve()), info["dtype"], shape, data_start + int(begin))
-            if end - begin != shape[0] * location.row_bytes:
-                raise ValueError(f"{path}: {name} spans {end - begin} bytes, not {list(shape)} of {info['dtype']}")
-            found[name] = location
+    for entry in tensor_index(directory):
+        if ".engram.embed." not in entry.name:
+            continue
+        if len(entry.shape) != 2:
+            raise ValueError(f"{entry.path}: {entry.name} has shape {list(entry.shape)}, expected [rows, cols]")
+        if entry.dtype not in _DTYPES:
+            raise ValueError(f"{entry.path}: {entry.name} is stored as {entry.dtype}; "
+                             f"the Engram service reads {sorted(_DTYPES)}")
+        found[entry.name] = TensorLocation(str(entry.path.resolve()), entry.dtype, entry.shape, entry.offset)
     tables = []
     for layer_id in layer_ids:
         weight = next((found[n + ".weight"] for n in _table_names(layer_id) if n + ".weight" in found), None)

@@ -66,7 +66,7 @@ def expert_worker(spec: WorkerSpec, rank: int) -> int:
 def lead(directory: str | Path, workers: int, drop_decoder: bool = False):
     """Load the lead's share of a checkpoint (before joining, while the workers load
     theirs): returns (checkpoint, link); :func:`connect` then joins and attaches."""
-    from actors.replica import pool_checkpoint
+    from actors.pool_model import pool_checkpoint
     from model.config import ModelConfig
     from model.runtime.parallel import ExpertLink
 

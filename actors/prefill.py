@@ -14,7 +14,6 @@ the rest of the cache serialized, and the decoder input.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -24,15 +23,15 @@ import torch
 from ray import serve
 
 from actors.config import AppConfig
-from model.config import VisionConfig
 from model.runtime.cache import SequenceCache
-from model.runtime.engine import DecoderInput, Engine, ImageSpan
+from model.runtime.engine import Engine
+from model.runtime.inputs import DecoderInput
 from model.runtime.serialize import StateError, load_chunks, load_window, window_to_bytes
-from model.vision import VisionTower, preprocess_image
 from storage.keys import MediaSpan, ObjectKey
 
+from .pool_model import ImageEncoder
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
-from .state import CachePlan, Handoff, PromptImage, StateNaming
+from .state import CachePlan, Handoff, StateNaming
 
 
 class StoreLike(Protocol):
@@ -77,25 +76,6 @@ def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | No
                     moved.bytes += len(blob)
         missing = [i for i in missing if blobs[i] is None]
     return blobs
-
-
-class ImageEncoder:
-    """A prefill replica's vision tower: a prompt's images to the engine's spans,
-    each run (preprocessing and tower) only when the engine encodes some of the span."""
-
-    def __init__(self, tower: VisionTower, config: VisionConfig):
-        self.tower, self.config = tower, config
-        self.runs = 0  # images through the tower (tests, the vision bench)
-
-    def spans(self, images: tuple[PromptImage, ...]) -> list[ImageSpan]:
-        return [ImageSpan(image.start, image.length, functools.partial(self.embed, image)) for image in images]
-
-    def embed(self, image: PromptImage) -> torch.Tensor:
-        patches, plan = preprocess_image(image.pixels, self.config)
-        if plan.num_tokens != image.length:
-            raise ValueError(f"an image planned at {image.length} positions takes {plan.num_tokens}")
-        self.runs += 1
-        return self.tower(patches, plan.vit_h, plan.vit_w)
 
 
 class PrefillService:

@@ -20,7 +20,7 @@ class ModelIdentity:
 
     def __init__(self, config: AppConfig):
         from actors.state import StateNaming
-        from model.chat import Tokenizer
+        from model.tokenizer import Tokenizer
         from model.config import ModelConfig
         from model.loader import weights_digest
         from model.runtime.serialize import StateIdentity
@@ -40,6 +40,7 @@ class ModelBundle(ModelIdentity):
     def __init__(self, config: AppConfig, drop_decoder: bool = False):
         import torch
 
+        from actors.pool_model import pool_checkpoint
         from model.loader import load_hasher
         from model.runtime.engine import Engine
 
@@ -67,10 +68,10 @@ class ModelBundle(ModelIdentity):
             self.engine.warm_compiled()  # before any step is timed (the DSpark cost table) or served
 
     def image_encoder(self):
-        """The prefill replica's :class:`actors.prefill.ImageEncoder` (None: no vision tower)."""
+        """The prefill replica's :class:`actors.pool_model.ImageEncoder` (None: no vision tower)."""
         if self.vision is None:
             return None
-        from actors.prefill import ImageEncoder
+        from actors.pool_model import ImageEncoder
 
         return ImageEncoder(self.vision, self.model_config.vision)
 
@@ -87,7 +88,9 @@ class ModelBundle(ModelIdentity):
         if config.speculation == "off" or self.drafter is None:
             return None
         from model.runtime.batcher import Speculation
-        from model.runtime.speculative import Calibration, SpeculativeDrafter, StepCost
+        from model.runtime.calibration import Calibration
+        from model.runtime.prefix_scheduler import StepCost
+        from model.runtime.speculative import SpeculativeDrafter
 
         path = Path(config.model) / "dspark_calibration.json"
         calibration = Calibration.from_dict(json.loads(path.read_text())) if path.exists() else None
@@ -104,19 +107,6 @@ class ModelBundle(ModelIdentity):
         from actors.store import node_store
 
         return node_store(config.store_settings(), self.naming.fingerprint.digest)
-
-
-def pool_checkpoint(directory, drop_decoder: bool, shard=None):
-    """What a pool's replica (or, with ``shard``, its lead worker) loads: a decoder
-    replica the whole model but the vision tower (not even read); a prefill replica the
-    encoder half, the CED projection and the vision tower."""
-    from model.loader import load_checkpoint
-
-    checkpoint = load_checkpoint(directory, shard=shard, vision=drop_decoder)
-    if drop_decoder:
-        checkpoint.backbone.keep_encoder_only()
-        checkpoint.drafter = None
-    return checkpoint
 
 
 def node_id() -> str:

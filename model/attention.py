@@ -18,14 +18,17 @@ the query's RoPE, which the output takes back off before the grouped low-rank
 output projection. Each head has a learned sink logit that only grows the softmax
 denominator.
 
-This module holds the math of one layer as small methods. The orchestration over a
-whole sequence lives in :mod:`model.transformer` (the reference forward); the
-engine calls the same methods over its caches.
+This module holds the math of one layer as small methods, and the indexer's selection
+(:func:`select_entries`: scores -> candidate blocks -> top-k) that every path runs.
+The orchestration over a whole sequence lives in :mod:`model.transformer` (the
+reference forward and the one block loop); the engine calls the same methods over its
+caches (:mod:`model.runtime.gather`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -182,9 +185,9 @@ class CSA2Attention(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Shared-KV attention with per-head sinks.
 
-        ``q`` [B, S, H, hd], ``keys`` [B, T, hd] (keys and values), ``mask`` [B, S, T]
-        bool (True = may attend). Returns [B, S, H, hd]. A row with nothing to attend
-        gives zeros (the sink takes all the weight).
+        ``q`` [B, S, H, hd], ``keys`` [B, T, hd] (keys and values; or each query's own
+        [B, S, T, hd]), ``mask`` [B, S, T] bool (True = may attend). Returns [B, S, H,
+        hd]. A row with nothing to attend gives zeros (the sink takes all the weight).
         """
         return attend(q, keys, mask, self.attn_sink, self.scaling)
 
@@ -238,13 +241,24 @@ def index_keys_raw(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scaling: float) -> torch.Tensor:
-    """:meth:`CSA2Attention.attend`."""
-    logits = torch.einsum("bshd,btd->bhst", q.float(), keys.float()) * scaling
+    """:meth:`CSA2Attention.attend`; ``keys`` may also be each query's own places
+    [B, S, T, hd] (training gathers them), with ``mask`` [B, S, T] as before."""
+    shared = keys.ndim == 3
+    logits = torch.einsum("bshd,btd->bhst" if shared else "bshd,bstd->bhst", q.float(), keys.float()) * scaling
     logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
     sink = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
     combined = torch.cat((logits, sink), dim=-1)
-    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.einsum("bhst,btd->bshd", probs, keys.float()).to(q.dtype)
+    # The shift only keeps exp in range (the softmax does not depend on it): no gradient through it.
+    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True).detach(), dim=-1)[..., :-1]
+    return torch.einsum("bhst,btd->bshd" if shared else "bhst,bstd->bshd", probs, keys.float()).to(q.dtype)
+
+
+def attend_each(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+    """:func:`attend` of each query over keys of its own (gathered for it: its window
+    places, its picked entries): ``q`` [N, H, hd], ``keys`` [N, T, hd], ``mask`` [N, T]
+    -> [N, H, hd]."""
+    return attend(q[:, None], keys, mask[:, None], sink, scaling)[:, 0]
 
 
 def output(attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
@@ -337,7 +351,51 @@ def candidate_entries(
     return entries.clamp_max(width - 1), valid
 
 
-def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """bool [..., T]: the ``k`` best entries among those scoring above -inf."""
-    indices, values = top_k(scores, k)
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
+Pool = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""A candidate source's pool as its Reindex layers read it: a mask [..., T] over every
+entry (they score every entry: the reference, training), or a list of entries and
+their validity ([..., P], [..., P]: they score only their candidates, the engine)."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One indexer's choice for its queries: ``index`` [..., k] entry indices and
+    ``valid`` [..., k] (False where fewer than ``k`` entries could be picked); ``pool``
+    the candidate pool a candidate-source layer hands the Reindex layers after it
+    (None on other layers)."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    pool: Pool | None = None
+
+    def mask(self, n_entries: int) -> torch.Tensor:
+        """The choice as bool [..., n_entries] (True = picked)."""
+        out = torch.zeros(*self.index.shape[:-1], n_entries, dtype=torch.bool, device=self.index.device)
+        return out.scatter_(-1, self.index, self.valid)
+
+
+def select_entries(scores: torch.Tensor, n_visible: torch.Tensor, k: int, plan: LayerPlan, config: TextConfig,
+                   pool: Pool | None = None, make_pool: Callable[..., Pool] = candidate_blocks) -> Selection:
+    """The indexer's selection, on every path: scores -> candidate blocks -> top ``k``.
+
+    ``scores`` [..., T] of the queries that see the entries below ``n_visible`` [...]
+    (the rest are not complete yet): of every entry, or, for a Reindex layer handed a
+    listed ``pool``, of the pool's entries only [..., P]. A Reindex layer picks inside
+    ``pool``; a candidate-source layer makes the pool for the layers after it with
+    ``make_pool`` (:func:`candidate_blocks` for a mask, :func:`candidate_entries` for a
+    list); then the ``k`` best remaining entries are picked.
+    """
+    listed = plan.candidate_source is not None and isinstance(pool, tuple)
+    if listed:
+        entries, valid = pool
+        scores = scores.masked_fill(~(valid & (entries < n_visible[..., None])), float("-inf"))  # newest block partial
+    else:
+        visible = torch.arange(scores.shape[-1], device=scores.device) < n_visible[..., None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if plan.candidate_source is not None:
+            scores = scores.masked_fill(~pool, float("-inf"))
+    made = None
+    if plan.is_candidate_source:
+        made = make_pool(scores, n_visible, config.candidate_topk_blocks, config.candidate_block_size)
+    top, values = top_k(scores, k)
+    return Selection(pool[0].gather(-1, top) if listed else top, values > float("-inf"), made)

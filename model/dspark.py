@@ -63,7 +63,7 @@ from . import mhc
 from .config import AttentionMode, ConfigError, LayerPlan, TextConfig
 from .norm import RMSNorm
 from .rope import Rotary
-from .transformer import Block
+from .transformer import Block, Tap, run_blocks
 
 
 def _window_entries(block: Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,6 +136,33 @@ class DSparkBlock(Block):
             self.norm = RMSNorm(d, config.rms_norm_eps)
             self.markov_head = MarkovHead(config.vocab_size, config.dspark_markov_rank)
             self.confidence_head = ConfidenceHead(d, config.dspark_markov_rank)
+
+
+@dataclass
+class DraftKeys:
+    """The drafter's :class:`~model.transformer.Keys`: each request's block of K
+    positions (rotary ``cos``, ``sin`` [B, K, rd]) reads its drafter layer's context
+    entries [B, T, hd] (``contexts`` by layer index) where ``in_window`` [B, T], and the
+    whole block's own window entries both ways (``mask`` [B, K, T + K], the two
+    together). With ``compiled`` (a :class:`model.runtime.compiled.CompiledBlocks`) the
+    attention input is the flat [B * K, D] and runs compiled."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor
+    in_window: torch.Tensor
+    contexts: dict[int, torch.Tensor]
+    compiled: Callable | None = None
+
+    def attend(self, block: Block, h: torch.Tensor) -> torch.Tensor:
+        context, cos, sin = self.contexts[block.plan.index], self.cos, self.sin
+        if self.compiled is not None:
+            k = cos.shape[1]
+            return self.compiled.draft_attention(block.attn, h.unflatten(0, (-1, k)), cos, sin, context,
+                                                 self.in_window).flatten(0, 1)
+        q, _ = block.attn.queries(h, cos, sin)
+        keys = torch.cat((context.to(h.dtype), _window_entries(block, h, cos, sin)), dim=1)
+        return block.attn.output(block.attn.attend(q, keys, self.mask), cos, sin)
 
 
 @dataclass
@@ -227,8 +254,8 @@ class DSparkDrafter(nn.Module):
         after the anchor's position, or more than ``sliding_window`` before it, are ignored.
         Differentiable (training); inference callers run it under ``no_grad``.
         ``run_block`` (inference, a :class:`model.runtime.compiled.CompiledBlocks`): runs
-        each layer in place of ``block(streams, pre, attend)`` over the flat [B * K]
-        tokens, its attention through ``run_block.draft_attention``.
+        each layer in place of :meth:`~model.transformer.Block.forward` over the flat
+        [B * K] tokens, its attention through ``run_block.draft_attention``.
         """
         if len(entries) != len(self.mtp):
             raise ValueError(f"{len(entries)} entry tensors for {len(self.mtp)} drafter layers")
@@ -244,21 +271,13 @@ class DSparkDrafter(nn.Module):
             (in_window.unsqueeze(1).expand(-1, k, -1), torch.ones(x.shape[0], k, k, dtype=torch.bool, device=x.device)),
             dim=-1,
         )  # [B, K, T + K]: the window before the anchor, and the whole block both ways
-        for block, context in zip(self.mtp, entries):
-            def attend(h, block=block, context=context):
-                q, _ = block.attn.queries(h, cos, sin)
-                keys = torch.cat((context.to(h.dtype), _window_entries(block, h, cos, sin)), dim=1)
-                return block.attn.output(block.attn.attend(q, keys, mask), cos, sin)
-
-            if run_block is None:
-                streams, pre = block(streams, pre, attend)
-            else:
-                def flat_attend(h, block=block, context=context):
-                    return run_block.draft_attention(block.attn, h.unflatten(0, (-1, k)), cos, sin, context,
-                                                     in_window).flatten(0, 1)
-
-                streams, pre = (t.unflatten(0, (-1, k)) for t in run_block(block, streams.flatten(0, 1),
-                                                                            pre.flatten(0, 1), flat_attend))
+        keys = DraftKeys(cos, sin, mask, in_window, {block.plan.index: c for block, c in zip(self.mtp, entries)},
+                         run_block)
+        if run_block is None:
+            streams, pre = run_blocks(self.mtp, streams, pre, keys)
+        else:  # the compiled blocks run over the flat [B * K] tokens
+            streams, pre = (t.unflatten(0, (-1, k)) for t in run_blocks(
+                self.mtp, streams.flatten(0, 1), pre.flatten(0, 1), keys, run_block=run_block))
         hidden = mhc.collapse(streams, pre).float()
         logits = head(self.mtp[-1].norm(hidden).to(head.weight.dtype)).float()
         return Draft(hidden=hidden, logits=logits)
@@ -361,22 +380,9 @@ class DSparkDrafter(nn.Module):
 def target_streams(model: nn.Module, input_ids: torch.Tensor, engram_ids: torch.Tensor | None,
                    layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen backbone's reference forward, keeping what the drafter learns from:
-    (logits [B, S, V], attention-input streams of ``layers`` [B, S, len(layers), hc, D]).
-
-    The same orchestration as :meth:`model.transformer.Transformer.forward` (every layer
-    over every token), with the streams entering each target block recorded.
-    """
-    from .transformer import SequenceMemory
-
-    streams, pre = model.embed_streams(input_ids)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    rows = model.engram_rows(engram_ids)
-    memory, captured = SequenceMemory(), {}
-    for block in model.layers:
-        if block.plan.index in layers:
-            captured[block.plan.index] = streams
-        streams, pre = model.block_forward(block, streams, pre, positions, memory, rows, None)
-    return model.head(streams, pre), torch.stack([captured[i] for i in layers], dim=2)
+    (logits [B, S, V], attention-input streams of ``layers`` [B, S, len(layers), hc, D])."""
+    tap = Tap(tuple(layers))
+    return model(input_ids, engram_ids, tap=tap), tap.features()
 
 
 @dataclass

@@ -14,12 +14,15 @@ released reference):
    is the hash of the n-gram of size ``n``; for every head it is reduced modulo that
    (n-gram, head) pair's own prime and shifted by the pair's offset in the layer's
    table.  ``(N - 1) * heads`` row ids per token and layer.
-4. **Fetch** those rows (:meth:`EngramGate.lookup`; the serving system may fetch them
-   remotely instead and hand them in).
-5. **Gate and write** (:meth:`EngramGate.forward`): one key per stream plus a shared
-   value from the rows; ``out = h + sigmoid(signed_sqrt(<h, key>_normalised)) * value``.
+4. **Fetch** those rows (:meth:`model.engram_gate.EngramGate.lookup`; the serving
+   system may fetch them remotely instead and hand them in).
+5. **Gate and write** (:meth:`model.engram_gate.EngramGate.forward`): one key per
+   stream plus a shared value from the rows;
+   ``out = h + sigmoid(signed_sqrt(<h, key>_normalised)) * value``.
 
-Everything here is pure math.  The hasher keeps no history of its own: incremental
+Steps 1 to 3 live here, the primes and multipliers of step 3 in
+:mod:`model.engram_primes`, steps 4 and 5 in :mod:`model.engram_gate`. Everything is
+pure math.  The hasher keeps no history of its own: incremental
 callers (prefill in chunks, then decode one token at a time) carry an explicit
 :class:`NgramContext` -- the last ``N - 1`` compressed ids of each sequence -- which
 :meth:`NgramHasher.hash_ids` accepts and returns.
@@ -31,32 +34,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from .engram_primes import find_primes, hash_multipliers
 
 __all__ = [
     "DEAD",
-    "EngramGate",
     "EngramLayout",
     "NgramContext",
     "NgramHasher",
     "build_token_map",
-    "find_primes",
-    "hash_multipliers",
-    "multiplier_bound",
+    "config_value",
 ]
 
 # Marker for a look-back slot that an n-gram cannot use: before the start of the
 # text, or an image token.  Compressed ids are >= 0, so -1 never collides.
 DEAD = -1
-
-# The UE8M0-style scales of FP8 Engram rows cover this many channels each.
-SCALE_BLOCK = 32
-
-# Clamp of |dot| before the signed square root of the gate (the training kernel's).
-GATE_CLAMP = 1e-6
 
 
 # ---------------------------------------------------------------------------------
@@ -119,82 +112,8 @@ def build_token_map(tokenizer: Any) -> tuple[list[int], int]:
 
 
 # ---------------------------------------------------------------------------------
-# 2. Layout: primes, offsets, multipliers
+# 2. Layout: primes (model/engram_primes.py), offsets, multipliers
 # ---------------------------------------------------------------------------------
-
-_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
-
-
-def _is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin; exact for every n < 3.3e24 (these bases)."""
-    if n < 2:
-        return False
-    for p in _MR_BASES:
-        if n % p == 0:
-            return n == p
-    d, r = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        r += 1
-    for a in _MR_BASES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(r - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def find_primes(
-    vocab_size: int, n_layers: int, max_ngram_size: int, n_heads: int
-) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Bucket primes as ``[layer][ngram_size - 2][head]``.
-
-    For every layer, every n-gram size and every head, the next prime is searched
-    upward, strictly above ``vocab_size - 1`` (the search restarts there for each
-    n-gram size) and skipping every prime already taken anywhere in the layout.
-    """
-    taken: set[int] = set()
-    layers = []
-    for _ in range(n_layers):
-        per_ngram = []
-        for _ in range(max_ngram_size - 1):
-            heads, candidate = [], vocab_size - 1
-            for _ in range(n_heads):
-                candidate += 1
-                while candidate in taken or not _is_prime(candidate):
-                    candidate += 1
-                taken.add(candidate)
-                heads.append(candidate)
-            per_ngram.append(tuple(heads))
-        layers.append(tuple(per_ngram))
-    return tuple(layers)
-
-
-def hash_multipliers(
-    layer_ids: Sequence[int], max_ngram_size: int, compressed_vocab_size: int
-) -> tuple[tuple[int, ...], ...]:
-    """``[layer][k]``: the odd multiplier of the k-th look-back (k = 0 is the current
-    token).  Drawn from ``numpy.random.default_rng(10007 * layer_id)`` below
-    ``bound = (int64 max // compressed_vocab_size) // 2`` and mapped to ``2 v + 1``,
-    so ``compressed id * multiplier`` can never overflow int64."""
-    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
-    rows = []
-    for layer_id in layer_ids:
-        rng = np.random.default_rng(10007 * int(layer_id))
-        draws = rng.integers(0, bound, size=(max_ngram_size,), dtype=np.int64)
-        rows.append(tuple(int(v) * 2 + 1 for v in draws))
-    return tuple(rows)
-
-
-def multiplier_bound(compressed_vocab_size: int) -> int:
-    """Exclusive upper bound of the raw draws behind :func:`hash_multipliers`."""
-    return max(1, (np.iinfo(np.int64).max // compressed_vocab_size) // 2)
-
 
 _CONFIG_FIELDS = (
     "engram_layer_ids",
@@ -208,13 +127,14 @@ _CONFIG_FIELDS = (
 )
 
 
-def _config_value(config: Any, name: str) -> Any:
+def config_value(config: Any, name: str) -> Any:
+    """An Engram field of a config object or mapping (or of its ``text_config``)."""
     if isinstance(config, Mapping):
         if name not in config and isinstance(config.get("text_config"), Mapping):
             return config["text_config"][name]
         return config[name]
     if not hasattr(config, name) and hasattr(config, "text_config"):
-        return _config_value(config.text_config, name)
+        return config_value(config.text_config, name)
     return getattr(config, name)
 
 
@@ -245,7 +165,7 @@ class EngramLayout:
     def from_config(cls, config: Any) -> "EngramLayout":
         """Build from any object (or mapping) with the ``engram_*`` fields; a nested
         ``text_config`` is looked into when the fields are not at the top level."""
-        values = {name: _config_value(config, name) for name in _CONFIG_FIELDS}
+        values = {name: config_value(config, name) for name in _CONFIG_FIELDS}
         layer_ids = tuple(int(i) for i in values["engram_layer_ids"])
         n = int(values["engram_max_ngram_size"])
         heads = int(values["engram_n_heads"])
@@ -484,129 +404,3 @@ class NgramHasher:
         return row_ids, new_context
 
     __call__ = hash_ids
-
-
-# ---------------------------------------------------------------------------------
-# 4. The gate
-# ---------------------------------------------------------------------------------
-
-
-class EngramEmbedding(nn.Module):
-    """One Engram table: ``weight [rows, head_dim]`` and ``scale [rows, head_dim // 32]``.
-
-    When the weight is stored as ``float8_e4m3fn`` a looked-up row is dequantised by
-    its per-32-channel power-of-two scales; in a float dtype the weight holds the
-    dequantised values already and the scales are unused. The scale has
-    ``head_dim // 32`` columns whatever the width, as the release sizes it: none for a
-    table narrower than 32 (such a table is only ever stored in a float dtype).
-    """
-
-    def __init__(self, num_embeddings: int, head_dim: int, device=None, dtype=None):
-        super().__init__()
-        self.num_embeddings = num_embeddings
-        self.head_dim = head_dim
-        self.block = SCALE_BLOCK
-        factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(num_embeddings, head_dim, **factory))
-        self.scale = nn.Parameter(torch.ones(num_embeddings, head_dim // SCALE_BLOCK, **factory))
-
-    def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(row_ids, self.weight)
-        if self.weight.dtype == torch.float8_e4m3fn:
-            if self.head_dim % self.block:
-                raise ValueError(f"an FP8 Engram table needs a multiple of {self.block} channels, not {self.head_dim}")
-            scales = F.embedding(row_ids, self.scale).float()
-            rows = (rows.float().unflatten(-1, (-1, self.block)) * scales.unsqueeze(-1)).flatten(-2)
-        return rows
-
-
-class EngramGate(nn.Module):
-    """The Engram write before one layer.
-
-    Parameter names follow the checkpoint (``model.layers.{i}.engram.*``)::
-
-        embed.weight [rows, head_dim]           embed.scale [rows, head_dim // 32]
-        wkv.weight   [(hc + 1) * hidden, n_cols * head_dim]
-        q_weight     [hc, hidden]               k_weight    [hc, hidden]
-
-    ``lookup(row_ids)`` fetches the rows; ``forward(streams, rows, token_mask)`` gates
-    them into the streams.  The two are separate so a remote table service can do the
-    fetch.
-    """
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        head_dim: int,
-        n_cols: int,
-        hidden_size: int,
-        hc_mult: int,
-        eps: float,
-        device=None,
-        dtype=None,
-    ):
-        super().__init__()
-        self.n_cols = n_cols
-        self.head_dim = head_dim
-        self.hidden_size = hidden_size
-        self.hc_mult = hc_mult
-        self.eps = eps
-        factory = {"device": device, "dtype": dtype}
-        self.embed = EngramEmbedding(num_embeddings, head_dim, **factory)
-        self.wkv = nn.Linear(n_cols * head_dim, (hc_mult + 1) * hidden_size, bias=False, **factory)
-        self.q_weight = nn.Parameter(torch.ones(hc_mult, hidden_size, **factory))
-        self.k_weight = nn.Parameter(torch.ones(hc_mult, hidden_size, **factory))
-
-    @classmethod
-    def from_config(cls, config: Any, layer_id: int, device=None, dtype=None) -> "EngramGate":
-        """The gate of model layer ``layer_id`` (must be one of ``engram_layer_ids``).
-        Needs ``hidden_size``, ``hc_mult`` and ``rms_norm_eps`` besides the Engram fields."""
-        layer_ids = [int(i) for i in _config_value(config, "engram_layer_ids")]
-        if layer_id not in layer_ids:
-            raise ValueError(f"layer {layer_id} is not an Engram layer ({layer_ids})")
-        index = layer_ids.index(layer_id)
-        return cls(
-            num_embeddings=int(_config_value(config, "engram_num_embeddings")[index]),
-            head_dim=int(_config_value(config, "engram_head_dim")),
-            n_cols=(int(_config_value(config, "engram_max_ngram_size")) - 1) * int(_config_value(config, "engram_n_heads")),
-            hidden_size=int(_config_value(config, "hidden_size")),
-            hc_mult=int(_config_value(config, "hc_mult")),
-            eps=float(_config_value(config, "rms_norm_eps")),
-            device=device,
-            dtype=dtype,
-        )
-
-    def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """``row_ids [B, S, n_cols]`` (one layer's slice of the hasher output) ->
-        ``rows [B, S, n_cols, head_dim]`` float32."""
-        return self.embed(row_ids).float()
-
-    def gate(self, streams: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None = None):
-        """``(gate [B, S, hc], value [B, S, D])`` in float32."""
-        weight = self.wkv.weight
-        kv = F.linear(rows.flatten(-2).to(weight.dtype), weight).float()
-        key, value = kv.split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
-        key = key.unflatten(-1, (self.hc_mult, self.hidden_size))
-        h = streams.float()
-        qk = self.q_weight.float() * self.k_weight.float()
-        # Normalised per (token, stream) over D, both the stream and its key.
-        inv = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * qk * key).sum(-1) * inv / self.hidden_size**0.5
-        # Signed square root (copysign: +0 counts as positive), then the sigmoid.
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
-        if token_mask is not None:
-            gate = gate.masked_fill(~token_mask.bool().unsqueeze(-1), 0.0)
-        return gate, value
-
-    def forward(
-        self, streams: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """streams ``[B, S, hc, D]``; rows ``[B, S, n_cols, head_dim]`` from
-        :meth:`lookup` (integer row ids ``[B, S, n_cols]`` are looked up here);
-        token_mask ``[B, S]``, False shuts the gate (image tokens, padding).
-        Returns ``streams + gate * value`` in the dtype of ``streams``."""
-        if not rows.is_floating_point():
-            rows = self.lookup(rows)
-        gate, value = self.gate(streams, rows, token_mask)
-        out = streams.float() + gate.unsqueeze(-1) * value.unsqueeze(-2)
-        return out.to(streams.dtype)

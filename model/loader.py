@@ -9,57 +9,28 @@ are dequantised on load:
 - routed experts: ``X.weight`` (two FP4 codes per byte) with ``X.scale`` (UE8M0 per 32);
 - Engram rows: ``embed.weight`` (F8_E4M3) with ``embed.scale`` (UE8M0 per 32 values).
 
-This is the only file of :mod:`model` that touches the disk.
+The safetensors files themselves are read by :mod:`model.checkpoint_files`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from . import formats
+from .checkpoint_files import CheckpointError, checkpoint_files, file_header, read_tensors, tensor_index
 from .config import ModelConfig, VisionConfig
 from .parallel import ExpertShard
 from .transformer import Transformer
 
 
-class CheckpointError(ValueError):
-    """The checkpoint directory is incomplete or does not match its config."""
-
-
 _PREFIX = "model."
 _BLOCK = (32, 32)
-
-
-def checkpoint_files(directory: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, from its index when there is one."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / name for name in sorted(set(weight_map.values()))]
-    single = directory / "model.safetensors"
-    if single.exists():
-        return [single]
-    shards = sorted(directory.glob("*.safetensors"))
-    if not shards:
-        raise CheckpointError(f"no safetensors files in {directory}")
-    return shards
-
-
-def read_tensors(directory: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(released name, tensor) for every tensor of the checkpoint, lazily per file;
-    with ``keep``, only the tensors whose parameter name it accepts are read."""
-    for path in checkpoint_files(directory):
-        with safe_open(path, framework="pt") as handle:
-            for name in handle.keys():
-                if keep is None or keep(_module_name(name)):
-                    yield name, handle.get_tensor(name)
 
 
 def _module_name(name: str) -> str:
@@ -110,7 +81,7 @@ def load_state(directory: Path, modules: list[torch.nn.Module], block: tuple[int
     pending_scales: dict[str, torch.Tensor] = {}
     quantised: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
-    for raw_name, tensor in read_tensors(directory, keep):
+    for raw_name, tensor in read_tensors(directory, None if keep is None else lambda raw: keep(_module_name(raw))):
         name = _module_name(raw_name)
         if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in params:
             pending_scales[name[: -len(".scale")] + ".weight"] = tensor
@@ -212,7 +183,7 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", k
             raise ValueError("load_checkpoint loads the lead worker's share; the others load_experts")
         for block in meta.backbone.layers:
             block.ffn.experts = _expert_table(block.ffn.experts, shard.experts)
-    names = [_module_name(name) for name in tensor_names(directory)]
+    names = [_module_name(entry.name) for entry in tensor_index(directory)]
     present = {part: any(n.startswith(prefixes) for n in names) for part, prefixes in _PART_PREFIXES.items()}
     present["vision"] = present["vision"] and vision
     parts = {
@@ -269,7 +240,7 @@ def add_vision_tower(source: str | Path, out: str | Path, vision: VisionConfig, 
     """A copy of the checkpoint at ``source`` that reads images: its parts and files, a
     vision tower of ``vision`` with seeded random weights (``std``), and the tokenizer's
     ``<｜deepseek_image｜>`` as the image token. Weights are written unquantised."""
-    from .chat import IMAGE_TOKEN, Tokenizer
+    from .tokenizer import IMAGE_TOKEN, Tokenizer
     from .transformer import init_module
     from .vision import VisionTower
 
@@ -296,15 +267,6 @@ def save_with_vision(source: str | Path, out: str | Path, checkpoint: Checkpoint
                 and (out / path.name).resolve() != path.resolve():
             shutil.copy(path, out / path.name)
     return out
-
-
-def tensor_names(directory: Path) -> list[str]:
-    """The released names of a checkpoint's tensors (headers only)."""
-    names = []
-    for path in checkpoint_files(directory):
-        with safe_open(path, framework="pt") as handle:
-            names.extend(handle.keys())
-    return names
 
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tuple[ModelConfig, Transformer]:
@@ -418,9 +380,7 @@ def weights_digest(directory: str | Path) -> bytes:
 
     digest = hashlib.blake2b(digest_size=16)
     for path in checkpoint_files(Path(directory)):
-        with open(path, "rb") as handle:
-            size = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(size))
+        digest.update(file_header(path))
         digest.update(path.stat().st_size.to_bytes(8, "little"))
     return digest.digest()
 

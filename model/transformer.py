@@ -8,20 +8,26 @@ source layer's compressor reads its own input, which is the encoder's output).
 
 :meth:`Transformer.forward` is the plain reference: every layer over every token,
 fp32, dense masks. It is the oracle the engine's cached paths are tested against.
+
+Every path runs the blocks through one loop, :func:`run_blocks`: the reference,
+training, the engine and the DSpark drafter differ only in where attention reads its
+keys (a :class:`Keys`) and what they tap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from . import mhc
-from .attention import CSA2Attention, candidate_blocks, top_entries, visible_entries, window_mask
+from .attention import CSA2Attention, select_entries, window_mask
 from .config import AttentionMode, LayerPlan, TextConfig
-from .engram import EngramGate
+from .engram_gate import EngramGate
 from .formats import COMPRESSED_KV, INDEXER_KEY
 from .moe import MoE
 from .norm import RMSNorm
@@ -75,14 +81,12 @@ class Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
                 engram_rows: torch.Tensor | None = None, image_mask: torch.Tensor | None = None):
-        """The layer, the one block loop of every path: the Engram write (``engram_rows``
-        [..., cols, hd]; image tokens keep their streams), attention and MoE, each under
-        mHC. Returns (streams, the ``pre`` mix for the next site).
+        """The layer: the Engram write (``engram_rows`` [..., cols, hd]; image tokens
+        keep their streams), attention and MoE, each under mHC. Returns (streams, the
+        ``pre`` mix for the next site).
 
         ``attend(x)`` maps the normalised attention input [..., D] to the attention
-        output [..., D]; where it reads its keys is the caller's: dense masks over the
-        whole sequence (the reference), the byte caches of each sequence (the engine),
-        straight-through memory with replay cuts (training), the drafter's context.
+        output [..., D]; where it reads its keys is the caller's (:class:`Keys`).
         """
         if self.engram is not None:
             streams = self.engram(streams, engram_rows, None if image_mask is None else ~image_mask)
@@ -102,6 +106,74 @@ class Block(nn.Module):
         x = self.ffn_norm(mhc.collapse(streams, attn_pre))
         mask = image_mask.reshape(-1) if image_mask is not None else None
         return mhc.expand(self.ffn(x, mask), streams, ffn_post, ffn_comb), ffn_pre
+
+
+class Keys(Protocol):
+    """Where a layer's attention reads its keys: the one thing the paths through the
+    blocks differ in. The reference reads the whole sequence with dense masks
+    (:class:`FullSequence`), training the same sequence gathered and differentiable
+    (:class:`model.training.TrainingKeys`), the engine each sequence's byte caches
+    (:class:`model.runtime.gather.CachedKeys`), the DSpark drafter its context
+    window (:class:`model.dspark.DraftKeys`)."""
+
+    def attend(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        """``block``'s attention of its normalised input ``x`` [..., D] -> [..., D]."""
+
+
+@dataclass
+class Tap:
+    """Collects the residual streams entering some layers during a pass.
+
+    ``layers`` are backbone layer indices (the DSpark targets); after a pass given this
+    tap (:func:`run_blocks`: the reference forward, or the engine's ``replay``,
+    ``decode`` and ``verify``), ``streams[i]`` holds the streams [..., hc, D] entering
+    layer ``i`` (the engine's: [N, hc, D] for the step's flat batch, sequences in batch
+    order, each sequence's tokens in order).
+    """
+
+    layers: tuple[int, ...]
+    streams: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def features(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of every tapped layer's streams, stacked in the order of
+        ``layers``: [n, len(layers), hc, D] (the engine's), [B, S, len(layers), hc, D]
+        (the reference forward's, all rows)."""
+        return torch.stack([self.streams[i][lo:hi] for i in self.layers], dim=-3)
+
+
+EngramRows = Mapping[int, torch.Tensor] | Callable[[], Mapping[int, torch.Tensor]]
+"""Engram rows [..., cols, hd] by layer, or a thunk that returns them (called when the
+first Engram layer is reached: a remote table service's rows arrive late)."""
+
+
+def run_blocks(blocks: Iterable[Block], streams: torch.Tensor, pre: torch.Tensor, keys: Keys,
+               rows: EngramRows | None = None, image_mask: torch.Tensor | None = None, tap: Tap | None = None,
+               run_block: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block loop of every path: ``blocks`` in order over ``streams`` [..., hc, D]
+    with the first site's ``pre`` [..., hc]; returns (streams, the next ``pre``).
+
+    ``keys`` says where attention reads its keys; ``rows`` the Engram layers' rows;
+    ``image_mask`` [...] the image positions (None: none); ``tap`` records the streams
+    entering its layers. ``run_block`` (a :class:`model.runtime.compiled.CompiledBlocks`)
+    runs each block in place of :meth:`Block.forward` (no image positions).
+    """
+    for block in blocks:
+        index = block.plan.index
+        if tap is not None and index in tap.layers:
+            tap.streams[index] = streams
+        attend = partial(keys.attend, block)
+        if run_block is not None:
+            streams, pre = run_block(block, streams, pre, attend, engram_rows_of(block, rows))
+        else:
+            streams, pre = block(streams, pre, attend, engram_rows_of(block, rows), image_mask)
+    return streams, pre
+
+
+def engram_rows_of(block: Block, rows: EngramRows | None) -> torch.Tensor | None:
+    """``block``'s Engram rows from ``rows`` (None for a block without Engram)."""
+    if block.engram is None:
+        return None
+    return (rows() if callable(rows) else rows)[block.plan.index]
 
 
 @dataclass
@@ -170,6 +242,7 @@ class Transformer(nn.Module):
         engram_ids: torch.Tensor | None = None,
         image_mask: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
+        tap: Tap | None = None,
     ) -> torch.Tensor:
         """Reference logits [B, S, V] for ``input_ids`` [B, S] starting at position 0.
 
@@ -177,14 +250,13 @@ class Transformer(nn.Module):
         position (:class:`model.engram.NgramHasher`); required when the model has
         Engram layers. ``image_mask`` [B, S] marks image tokens (router bias, Engram off);
         ``image_embeds`` [n, D] are their input embeddings (the image spans, in order),
-        in place of the image token's embedding.
+        in place of the image token's embedding. ``tap`` records the streams [B, S, hc, D]
+        entering its layers.
         """
         streams, pre = self.streams_of(self.input_embeddings(input_ids, image_mask, image_embeds))
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        rows = self.engram_rows(engram_ids)
-        memory = SequenceMemory()
-        for block in self.layers:
-            streams, pre = self.block_forward(block, streams, pre, positions, memory, rows, image_mask)
+        keys = FullSequence(self, positions, SequenceMemory())
+        streams, pre = run_blocks(self.layers, streams, pre, keys, self.engram_rows(engram_ids), image_mask, tap)
         return self.head(streams, pre)
 
     def engram_rows(self, engram_ids: torch.Tensor | None, layers: tuple[int, ...] | None = None) -> dict[int, torch.Tensor]:
@@ -219,11 +291,6 @@ class Transformer(nn.Module):
         """Final collapse, norm and output head: -> logits [B, S, V] (fp32)."""
         return self.lm_head(self.norm(mhc.collapse(streams, pre))).float()
 
-    def block_forward(self, block: Block, streams, pre, positions, memory: SequenceMemory, engram_rows, image_mask):
-        """One block over whole sequences starting at position 0 (the reference path)."""
-        return block(streams, pre, lambda x: self.attention_reference(block.attn, x, positions, memory),
-                     engram_rows.get(block.plan.index), image_mask)
-
     def attention_reference(self, attn: CSA2Attention, x: torch.Tensor, positions: torch.Tensor, memory: SequenceMemory):
         """Attention of one layer over whole sequences [B, S, D] with dense masks."""
         plan, config = attn.plan, self.config
@@ -232,7 +299,7 @@ class Transformer(nn.Module):
         keys = attn.window_entries(x, cos, sin)
         mask = window_mask(positions, positions, config.sliding_window)
         if plan.mode is not AttentionMode.WINDOW:
-            ratio, source = plan.compress_ratio, plan.kv_source
+            source = plan.kv_source
             if plan.mode is AttentionMode.FULL:
                 entries, index_keys = attn.compress(x, positions, self.rotary["compress"])
                 memory.entries[source] = COMPRESSED_KV.fake_quant(entries)
@@ -240,16 +307,25 @@ class Transformer(nn.Module):
             entries = memory.entries[source]
             if plan.runs_indexer:
                 scores = attn.indexer.scores(x, q_residual, cos, sin, memory.keys[source])
-                visible = visible_entries(positions, entries.shape[1], ratio)
-                scores = scores.masked_fill(~visible, float("-inf"))
-                if plan.is_candidate_source:
-                    n_visible = (positions + 1) // ratio
-                    memory.candidates = candidate_blocks(
-                        scores, n_visible, config.candidate_topk_blocks, config.candidate_block_size
-                    )
-                elif plan.candidate_source is not None:
-                    scores = scores.masked_fill(~memory.candidates, float("-inf"))
-                memory.picks[plan.index] = top_entries(scores, config.index_topk)
+                chosen = select_entries(scores, (positions + 1) // plan.compress_ratio, config.index_topk, plan, config,
+                                        memory.candidates)
+                if chosen.pool is not None:
+                    memory.candidates = chosen.pool
+                memory.picks[plan.index] = chosen.mask(entries.shape[1])
             keys = torch.cat((keys, entries), dim=1)
             mask = torch.cat((mask, memory.picks[plan.index_source]), dim=-1)
         return attn.output(attn.attend(q, keys, mask), cos, sin)
+
+
+@dataclass
+class FullSequence:
+    """The reference's :class:`Keys`: every layer reads the whole sequences at
+    ``positions`` [B, S] (from 0) with dense masks; the long-range state its layers
+    publish to later ones is ``memory``."""
+
+    model: Transformer
+    positions: torch.Tensor
+    memory: SequenceMemory
+
+    def attend(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        return self.model.attention_reference(block.attn, x, self.positions, self.memory)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 
-from model.engram import find_primes
+from model.engram_primes import find_primes
 
 TOKENIZER_DIR = "configs/tiny"
 _ENGRAM_VOCAB, _ENGRAM_N, _ENGRAM_HEADS = 2000, 3, 2

@@ -104,7 +104,7 @@ class _Agent:
 
 async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | None:
     """Send the agent's history; record the turn; append the answer and a tool result."""
-    from cluster.serving.router import parse_server_timing  # (the Serve app's module: not at `v41` start-up)
+    from cluster.serving.timing import parse_server_timing  # (the Serve app's module: not at `v41` start-up)
 
     body = {"model": model, "messages": agent.messages, "max_tokens": args.max_tokens, "temperature": 0.7,
             "stream": True, "stream_options": {"include_usage": True}}

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from model.runtime.engine import Engine
     from model.engram import EngramLayout, NgramHasher
     from model.loader import CheckpointError, load_tokenizer
-    from model.runtime.speculative import synthetic_cache
+    from model.runtime.prefix_scheduler import synthetic_cache
     from model.transformer import Transformer
 
     try:

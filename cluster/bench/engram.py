@@ -43,7 +43,8 @@ from safetensors.torch import save_file
 from cluster.bench import suite
 from model import formats
 from model.config import ModelConfig, TextConfig
-from model.engram import EngramLayout, NgramHasher, find_primes
+from model.engram import EngramLayout, NgramHasher
+from model.engram_primes import find_primes
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny"
 _HEAD_DIM = 256
@@ -277,6 +278,13 @@ def run(args: argparse.Namespace) -> int:
             if started_ray:
                 ray.shutdown()
 
+    _print(args, text, tables, lookups, prefill, copy_gb_s, threads)
+    return 0 if prefill["identical"] else 1
+
+
+def _print(args: argparse.Namespace, text, tables: dict, lookups: list, prefill: dict, copy_gb_s: float,
+           threads: int) -> None:
+    """The look-up table, the prefill comparison and (``--json``) the JSON line."""
     table_gb = sum(t.data.numel() + t.scales.numel() for t in tables.values()) / 1e9
     print(
         f"Engram service: {args.shards} shard actor(s), tables {len(tables)} x {list(text.engram_num_embeddings)} rows "
@@ -317,4 +325,3 @@ def run(args: argparse.Namespace) -> int:
                 }
             )
         )
-    return 0 if prefill["identical"] else 1

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     from cluster.bench.spec import _prompts
     from cluster import UserError
-    from model.chat import Tokenizer
+    from model.tokenizer import Tokenizer
     from model.config import ConfigError
     from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer
     from model.runtime.batcher import Speculation

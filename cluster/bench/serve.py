@@ -79,7 +79,7 @@ def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
 async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
     import aiohttp
 
-    from cluster.serving.router import parse_server_timing
+    from cluster.serving.timing import parse_server_timing
 
     chat = f"{url}/v1/chat/completions"
     results: dict = {"concurrency": {}}
@@ -142,7 +142,7 @@ def _one_token_requests(host: str, port: int, model_name: str, repeats: int) -> 
     server's path, and aiohttp's own request and response handling adds ~0.6 ms here."""
     import http.client
 
-    from cluster.serving.router import parse_server_timing
+    from cluster.serving.timing import parse_server_timing
 
     connection = http.client.HTTPConnection(host, port, timeout=600)
     results: dict = {}
@@ -172,7 +172,8 @@ def _one_token_requests(host: str, port: int, model_name: str, repeats: int) -> 
 
 
 def _in_process_one_token(model_dir: Path, repeats: int) -> list[float]:
-    from model.chat import ChatTemplate, Message, Tokenizer
+    from model.chat import ChatTemplate, Message
+    from model.tokenizer import Tokenizer
     from model.runtime.engine import Engine
     from model.loader import load_hasher, load_model
 
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.config import AppConfig
     from cluster import UserError
     from cluster.serving.local import default_model, local_app
-    from model.chat import Tokenizer
+    from model.tokenizer import Tokenizer
     from storage.redis_server import free_port
 
     model = args.model or default_model()

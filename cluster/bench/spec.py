@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from cluster.bench.lockstep import Timing, lockstep
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,99 +60,12 @@ def _prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
     """Windows of the held-out stdlib files (deterministic)."""
     import torch
 
-    from cluster.cli.train_small import load_corpus, token_stream
+    from model.training.corpus import load_corpus, token_stream
 
     stream = token_stream(tokenizer, load_corpus().held_out)
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - length, (n,), generator=generator).tolist()
     return [stream[s : s + length].tolist() for s in starts]
-
-
-@dataclass
-class Run:
-    """One mode's share of a lockstep run."""
-
-    outputs: list[list[int]]
-    timing: "Timing"
-    tokens: int  # tokens out of ``step`` calls (each request's first comes from its replay)
-    metrics: object  # SpecMetrics
-    full: "Timing"  # the steps taken with the batch full (``in_flight`` requests running)
-    full_tokens: int
-    trace: list | None = None  # VerifyRecords, for the mode named by lockstep's ``trace``
-
-
-def lockstep(engine, prompts, max_tokens: int, modes: dict, cost=None, seed: int = 0,
-             in_flight: int | None = None, trace: str | None = None) -> dict[str, Run]:
-    """Decode ``prompts`` (greedy) once per mode, the modes' batchers taking one step
-    each in turn, in a new (seeded) random order every turn, so that no mode always
-    goes first or always follows the same neighbour.
-
-    Side by side at the scale of one step, because this machine is not steady at the
-    scale of a run: six back-to-back runs of the same work at batch 16 took 7.3 to
-    11.0 s of CPU time. Whole runs in turn had the scheduler 7% behind k=5 at batch 16
-    (0.85-0.99 in five bench runs); in lockstep the two are level, within what a second
-    k=5 (the bench's control) differs from the first. ``modes`` maps names to a
-    :class:`Speculation` or None (plain). With ``cost`` (a StepCost), each mode's
-    steps are also timed by the table.
-
-    ``in_flight``: None starts every prompt together (a closed batch, which drains as
-    its requests finish); a number runs at most that many at once, the others waiting
-    in order and joining each mode's batch as soon as one of its requests finishes
-    (continuous batching, as the decoder serves a queue). ``trace``: a mode whose
-    steps are recorded (:class:`~model.runtime.speculative.VerifyRecord`)."""
-    from model.runtime.batcher import Batcher
-    from model.runtime.sampling import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    width = len(prompts) if in_flight is None else in_flight
-    batchers, outputs, waiting = {}, {}, {}
-    timings, tokens, full, full_tokens = {}, {}, {}, {}
-    for name, speculation in modes.items():
-        batchers[name] = Batcher(engine, max_batch=width, speculation=speculation)
-        if name == trace:
-            batchers[name].trace = []
-        outputs[name], waiting[name] = {}, list(range(len(prompts)))[::-1]
-        timings[name], tokens[name], full[name], full_tokens[name] = Timing(), 0, Timing(), 0
-    names, order = list(modes), random.Random(seed)
-    while any(b.running or waiting[n] for n, b in batchers.items()):
-        for name in order.sample(names, len(names)):
-            batcher = batchers[name]
-            while waiting[name] and batcher.can_add():  # a free slot takes the next request
-                i = waiting[name].pop()
-                outputs[name][str(i)] = [batcher.add(str(i), params, prompt=prompts[i]).token_id]
-            if not batcher.running:
-                continue
-            requests, verified = len(batcher.running), batcher.metrics.verified
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            events = batcher.step()
-            wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
-            modelled = 0.0
-            if cost is not None and modes[name] is not None:  # an anchor per request + the guesses verified
-                modelled = cost.seconds_per_step(requests, requests + batcher.metrics.verified - verified)
-            timings[name] += Timing(wall, cpu, modelled)
-            tokens[name] += len(events)
-            if requests == width:
-                full[name] += Timing(wall, cpu, modelled)
-                full_tokens[name] += len(events)
-            for event in events:
-                outputs[name][event.request_id].append(event.token_id)
-    return {name: Run([outputs[name][str(i)] for i in range(len(prompts))], timings[name], tokens[name],
-                      batchers[name].metrics, full[name], full_tokens[name], batchers[name].trace) for name in names}
-
-
-@dataclass
-class Timing:
-    """Seconds in ``step`` calls: wall clock; this thread's CPU time (torch runs on one
-    thread here), which other processes taking the cores do not inflate; and what the
-    profiled step-cost table says the same steps cost (no noise at all: a function of
-    how many requests and tokens each step verified)."""
-
-    wall: float = 0.0
-    cpu: float = 0.0
-    modelled: float = 0.0
-
-    def __add__(self, other: "Timing") -> "Timing":
-        return Timing(self.wall + other.wall, self.cpu + other.cpu, self.modelled + other.modelled)
 
 
 @dataclass
@@ -221,13 +135,26 @@ def _print_rows(rows: dict[int, dict[str, float]], names: list[str], fixed: list
     return ratios
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass
+class Setup:
+    """The bench's engine and drafter on the checkpoint, and the batch sizes and fixed
+    verify lengths it compares."""
+
+    engine: object  # model.runtime.engine.Engine
+    drafter: object  # model.runtime.speculative.SpeculativeDrafter
+    calibrated: bool
+    tokenizer: object
+    batches: list[int]
+    fixed: list[int]
+
+
+def _setup(args: argparse.Namespace) -> Setup:
     from cluster import UserError
-    from model.runtime.batcher import Speculation
     from model.config import ConfigError
-    from model.runtime.engine import Engine
     from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer
-    from model.runtime.speculative import Calibration, SpecMetrics, SpeculativeDrafter, StepCost, replay_schedules
+    from model.runtime.calibration import Calibration
+    from model.runtime.engine import Engine
+    from model.runtime.speculative import SpeculativeDrafter
 
     try:
         checkpoint = load_checkpoint(args.checkpoint)
@@ -246,25 +173,32 @@ def run(args: argparse.Namespace) -> int:
         engine.warm_compiled()
     drafter = SpeculativeDrafter(checkpoint.drafter, engine, calibration)
     drafter.warm_compiled()
-    k_max = drafter.block_size
-    if any(not 1 <= k <= k_max for k in fixed):
-        raise UserError(f"--fixed lengths must be in 1..{k_max}")
+    if any(not 1 <= k <= drafter.block_size for k in fixed):
+        raise UserError(f"--fixed lengths must be in 1..{drafter.block_size}")
     if args.waves < 1 or args.repeats < 1:
         raise UserError("--waves and --repeats must be at least 1")
+    return Setup(engine, drafter, calibration is not None, tokenizer, batches, fixed)
 
-    start = time.perf_counter()
-    cost = StepCost.profile(engine, drafter, requests=sorted({1, *batches}), max_tokens=k_max + 1)
-    profile_s = time.perf_counter() - start
-    scheduled = Speculation(drafter, "scheduled", cost=cost)
-    prompts = _prompts(tokenizer, max(args.prompts, max(batches) * args.waves), args.prompt_tokens, args.seed)
 
-    # Single stream: one request at a time, plain and speculative in lockstep per prompt.
+@dataclass
+class SingleStream:
+    """One request at a time, plain and speculative in lockstep per prompt."""
+
+    plain_tps: float
+    spec_tps: float
+    equal: bool  # the speculative tokens were the plain ones
+    metrics: object  # SpecMetrics, summed over the prompts
+
+
+def _single_stream(engine, prompts: list[list[int]], max_tokens: int, scheduled, seed: int) -> SingleStream:
+    from model.runtime.speculative import SpecMetrics
+
     plain_s = spec_s = 0.0
     plain_n = spec_n = 0
     equal = True
     single = SpecMetrics()
-    for prompt in prompts[: args.prompts]:
-        runs = lockstep(engine, [prompt], args.max_tokens, {"plain": None, "speculative": scheduled}, seed=args.seed)
+    for prompt in prompts:
+        runs = lockstep(engine, [prompt], max_tokens, {"plain": None, "speculative": scheduled}, seed=seed)
         plain, spec = runs["plain"], runs["speculative"]
         plain_s, plain_n = plain_s + plain.timing.wall, plain_n + plain.tokens
         spec_s, spec_n = spec_s + spec.timing.wall, spec_n + spec.tokens
@@ -273,91 +207,125 @@ def run(args: argparse.Namespace) -> int:
             setattr(single, name, getattr(single, name) + getattr(spec.metrics, name))
         for length, count in spec.metrics.verify_lengths.items():
             single.verify_lengths[length] = single.verify_lengths.get(length, 0) + count
-    plain_tps, spec_tps = plain_n / plain_s, spec_n / spec_s
+    return SingleStream(plain_n / plain_s, spec_n / spec_s, equal, single)
+
+
+def run(args: argparse.Namespace) -> int:
+    from model.runtime.batcher import Speculation
+    from model.runtime.prefix_scheduler import StepCost, replay_schedules
+
+    setup = _setup(args)
+    engine, drafter, batches, fixed = setup.engine, setup.drafter, setup.batches, setup.fixed
+    start = time.perf_counter()
+    cost = StepCost.profile(engine, drafter, requests=sorted({1, *batches}), max_tokens=drafter.block_size + 1)
+    profile_s = time.perf_counter() - start
+    scheduled = Speculation(drafter, "scheduled", cost=cost)
+    prompts = _prompts(setup.tokenizer, max(args.prompts, max(batches) * args.waves), args.prompt_tokens, args.seed)
+    single = _single_stream(engine, prompts[: args.prompts], args.max_tokens, scheduled, args.seed)
 
     # Batch throughput: every mode at every batch size, as a closed batch (all start
     # together) and under continuous batching (a queue, the batch refilled).
     # The control: the largest fixed k a second time. Identical work, so its ratio to the
     # first shows how finely this machine can tell two modes apart.
-    control = f"k={max(fixed)} again"
     modes = {"plain": None, **{f"k={k}": Speculation(drafter, "fixed", k=k) for k in fixed}, "scheduler": scheduled,
-             control: Speculation(drafter, "fixed", k=max(fixed))}
+             _control(fixed): Speculation(drafter, "fixed", k=max(fixed))}
     closed = _batch_table(engine, prompts, modes, fixed, batches, args, cost, continuous=False)
     served = _batch_table(engine, prompts, modes, fixed, batches, args, cost, continuous=True)
-    table, cpu_table, modelled_table, paired, lengths = (closed.wall, closed.cpu, closed.modelled, closed.paired,
-                                                         closed.lengths)
-    batch_equal = closed.equal and served.equal
-
+    replayed = {}
+    if max(fixed) == drafter.block_size:  # every guess verified: any shorter choice's outcome is known
+        replayed = {b: replay_schedules(closed.records[b] + served.records[b], cost, fixed) for b in batches}
     print(f"DSpark speculative decoding ({args.checkpoint}, greedy, {args.max_tokens} tokens per request; "
           f"step-cost profile {profile_s:.1f} s)")
+    ratios = _print_tables(args, setup, single, list(modes), closed, served, replayed)
+    if args.json:
+        print(json.dumps(_result(args, setup, single, closed, served, ratios, replayed, cost.to_dict())))
+    return 0
+
+def _control(fixed: list[int]) -> str:
+    return f"k={max(fixed)} again"
+
+
+def _print_tables(args: argparse.Namespace, setup: Setup, single: SingleStream, names: list[str], closed: BatchTable,
+                  served: BatchTable, replayed: dict) -> dict[str, dict[int, float]]:
+    """The single-stream numbers, the closed-batch tables (wall, CPU, modelled), the
+    replayed choices, the continuous-batching table; the scheduler / best fixed k ratios
+    of each table by its name."""
+    batches, fixed, control, metrics = setup.batches, setup.fixed, _control(setup.fixed), single.metrics
     print(f"\nsingle stream ({args.prompts} prompts)")
     print(f"{'':>12}  {'tokens/s':>9}")
-    print(f"{'plain':>12}  {plain_tps:>9.2f}")
-    print(f"{'speculative':>12}  {spec_tps:>9.2f}   x{spec_tps / plain_tps:.2f}; outputs equal: {equal}")
-    print(f"acceptance length {single.acceptance_length:.3f} tokens per pass; guesses accepted "
-          f"{single.accepted}/{single.verified}; verify lengths {single.to_dict()['verify_lengths']}")
-    names = list(modes)
+    print(f"{'plain':>12}  {single.plain_tps:>9.2f}")
+    print(f"{'speculative':>12}  {single.spec_tps:>9.2f}   x{single.spec_tps / single.plain_tps:.2f}; outputs equal: "
+          f"{single.equal}")
+    print(f"acceptance length {metrics.acceptance_length:.3f} tokens per pass; guesses accepted "
+          f"{metrics.accepted}/{metrics.verified}; verify lengths {metrics.to_dict()['verify_lengths']}")
     print(f"\nbatch throughput, closed batch (all start together; the batch drains as they finish), decode tokens/s "
           f"({args.batch_tokens} tokens per request, {args.repeats} rounds)")
     ratios: dict[str, dict[int, float]] = {}
-    for label, rows in (("wall clock", table), ("CPU time of the engine thread", cpu_table),
-                        ("by the profiled step-cost table (the steps each mode took, timed by the table Algorithm 1 "
-                         "reads)", modelled_table)):
+    for key, label, rows in (("wall", "wall clock", closed.wall), ("cpu", "CPU time of the engine thread", closed.cpu),
+                             ("modelled", "by the profiled step-cost table (the steps each mode took, timed by the "
+                              "table Algorithm 1 reads)", closed.modelled)):
         print(f"{label}:")
-        ratios[label] = _print_rows(rows, names, fixed)
-    best_ratio, cpu_ratio, modelled_ratio = ratios.values()
+        ratios[key] = _print_rows(rows, names, fixed)
     print("scheduler / best fixed k, median over rounds of the paired CPU-time ratio: "
-          + ", ".join(f"batch {b}: {paired[b]:.3f}" for b in batches))
+          + ", ".join(f"batch {b}: {closed.paired[b]:.3f}" for b in batches))
     print(f"control, {control} / k={max(fixed)} (the same work; 1 up to noise), wall clock: "
-          + ", ".join(f"batch {b}: {table[b][control] / table[b][f'k={max(fixed)}']:.3f}" for b in batches))
-    print("scheduled verify lengths: " + "; ".join(f"batch {b}: {lengths[b]}" for b in batches))
-    replayed = {}
-    if max(fixed) == k_max:  # every guess verified: any shorter choice's outcome is known
-        replayed = {b: replay_schedules(closed.records[b] + served.records[b], cost, fixed) for b in batches}
-        print(f"the choices alone: each replayed on the draft states of the k={k_max} steps above (both tables), timed "
-              "by the step-cost table (no noise, no trajectory), / best fixed k: "
+          + ", ".join(f"batch {b}: {closed.wall[b][control] / closed.wall[b][f'k={max(fixed)}']:.3f}" for b in batches))
+    print("scheduled verify lengths: " + "; ".join(f"batch {b}: {closed.lengths[b]}" for b in batches))
+    if replayed:
+        print(f"the choices alone: each replayed on the draft states of the k={max(fixed)} steps above (both tables), "
+              "timed by the step-cost table (no noise, no trajectory), / best fixed k: "
               + ", ".join(f"batch {b}: scheduler {_over_best(r, fixed):.3f}, "
                           f"oracle {_over_best(r, fixed, 'oracle'):.3f}" for b, r in replayed.items()))
     print(f"\ncontinuous batching, decode tokens/s while the batch is full ({args.waves} requests per slot queued, "
           f"{args.batch_tokens} tokens each, {args.repeats} rounds), wall clock:")
-    served_ratio = _print_rows(served.wall, names, fixed)
+    ratios["served"] = _print_rows(served.wall, names, fixed)
     print("scheduler / best fixed k, paired over rounds (CPU time): "
           + ", ".join(f"batch {b}: {served.paired[b]:.3f}" for b in batches)
           + "; by the step-cost table: "
           + ", ".join(f"batch {b}: {_over_best(rows, fixed):.3f}" for b, rows in served.modelled.items()))
     print("scheduled verify lengths: " + "; ".join(f"batch {b}: {served.lengths[b]}" for b in batches))
-    print(f"every mode's outputs equal plain decoding's: {batch_equal}")
+    print(f"every mode's outputs equal plain decoding's: {closed.equal and served.equal}")
+    return ratios
+
+
+def _result(args: argparse.Namespace, setup: Setup, single: SingleStream, closed: BatchTable, served: BatchTable,
+            ratios: dict[str, dict[int, float]], replayed: dict, step_cost: dict) -> dict:
+    """The bench's JSON line."""
+    batches, fixed, control, metrics = setup.batches, setup.fixed, _control(setup.fixed), single.metrics
+
+    def rounded(values: dict, digits: int = 4) -> dict:
+        return {str(b): round(r, digits) for b, r in values.items()}
+
     result = {
         "checkpoint": str(args.checkpoint),
-        "calibrated": calibration is not None,
-        "compiled": engine.compiled is not None,
-        "single_stream_tokens_per_s": {"plain": round(plain_tps, 3), "speculative": round(spec_tps, 3)},
-        "single_stream_speedup": round(spec_tps / plain_tps, 4),
-        "greedy_outputs_equal": equal,
-        "batch_outputs_equal": batch_equal,
-        "acceptance_length": round(single.acceptance_length, 4),
-        "tokens_per_pass": round(single.tokens_per_pass, 4),
-        "single_stream_verify_lengths": single.to_dict()["verify_lengths"],
-        "batch_tokens_per_s": {str(b): {n: round(v, 3) for n, v in table[b].items()} for b in batches},
-        "batch_tokens_per_cpu_s": {str(b): {n: round(v, 3) for n, v in cpu_table[b].items()} for b in batches},
-        "scheduler_over_best_fixed_k": {str(b): round(r, 4) for b, r in best_ratio.items()},
-        "scheduler_over_best_fixed_k_cpu": {str(b): round(r, 4) for b, r in cpu_ratio.items()},
-        "scheduler_over_best_fixed_k_paired_cpu": {str(b): round(r, 4) for b, r in paired.items()},
-        "scheduler_over_best_fixed_k_modelled": {str(b): round(r, 4) for b, r in modelled_ratio.items()},
-        "scheduled_verify_lengths": {str(b): lengths[b] for b in batches},
-        "control_over_same_k": {str(b): round(table[b][control] / table[b][f"k={max(fixed)}"], 4) for b in batches},
-        "continuous_tokens_per_s": {str(b): {n: round(v, 3) for n, v in served.wall[b].items()} for b in batches},
-        "continuous_scheduler_over_best_fixed_k": {str(b): round(r, 4) for b, r in served_ratio.items()},
-        "continuous_scheduler_over_best_fixed_k_paired_cpu": {str(b): round(r, 4) for b, r in served.paired.items()},
+        "calibrated": setup.calibrated,
+        "compiled": setup.engine.compiled is not None,
+        "single_stream_tokens_per_s": {"plain": round(single.plain_tps, 3), "speculative": round(single.spec_tps, 3)},
+        "single_stream_speedup": round(single.spec_tps / single.plain_tps, 4),
+        "greedy_outputs_equal": single.equal,
+        "batch_outputs_equal": closed.equal and served.equal,
+        "acceptance_length": round(metrics.acceptance_length, 4),
+        "tokens_per_pass": round(metrics.tokens_per_pass, 4),
+        "single_stream_verify_lengths": metrics.to_dict()["verify_lengths"],
+        "batch_tokens_per_s": {str(b): rounded(closed.wall[b], 3) for b in batches},
+        "batch_tokens_per_cpu_s": {str(b): rounded(closed.cpu[b], 3) for b in batches},
+        "scheduler_over_best_fixed_k": rounded(ratios["wall"]),
+        "scheduler_over_best_fixed_k_cpu": rounded(ratios["cpu"]),
+        "scheduler_over_best_fixed_k_paired_cpu": rounded(closed.paired),
+        "scheduler_over_best_fixed_k_modelled": rounded(ratios["modelled"]),
+        "scheduled_verify_lengths": {str(b): closed.lengths[b] for b in batches},
+        "control_over_same_k": {str(b): round(closed.wall[b][control] / closed.wall[b][f"k={max(fixed)}"], 4)
+                                for b in batches},
+        "continuous_tokens_per_s": {str(b): rounded(served.wall[b], 3) for b in batches},
+        "continuous_scheduler_over_best_fixed_k": rounded(ratios["served"]),
+        "continuous_scheduler_over_best_fixed_k_paired_cpu": rounded(served.paired),
         "continuous_scheduled_verify_lengths": {str(b): served.lengths[b] for b in batches},
-        "replayed_tokens_per_s": {str(b): {n: round(v, 3) for n, v in r.items()} for b, r in replayed.items()},
+        "replayed_tokens_per_s": {str(b): rounded(r, 3) for b, r in replayed.items()},
         "replayed_scheduler_over_best_fixed_k": {str(b): round(_over_best(r, fixed), 4) for b, r in replayed.items()},
-        "step_cost_s": cost.to_dict(),
+        "step_cost_s": step_cost,
     }
-    if 16 in best_ratio:
-        result["scheduler_over_best_fixed_k_batch16"] = round(best_ratio[16], 4)
-        result["scheduler_over_best_fixed_k_batch16_cpu"] = round(cpu_ratio[16], 4)
-        result["continuous_scheduler_over_best_fixed_k_batch16"] = round(served_ratio[16], 4)
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    if 16 in ratios["wall"]:
+        result["scheduler_over_best_fixed_k_batch16"] = round(ratios["wall"][16], 4)
+        result["scheduler_over_best_fixed_k_batch16_cpu"] = round(ratios["cpu"][16], 4)
+        result["continuous_scheduler_over_best_fixed_k_batch16"] = round(ratios["served"][16], 4)
+    return result

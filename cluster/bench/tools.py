@@ -102,7 +102,7 @@ def _score_answer(answer: tuple[str, bool], conv, index: int) -> dict[str, bool]
 def _served_grammar(tools, choice: str, dsml: int | None) -> tuple[str, tuple[int, ...]] | None:
     """The grammar, and the tokens it starts after, that the server gives an answer
     under ``tool_choice`` ``choice`` (thinking off), or None for a free answer."""
-    from cluster.serving.openai_api import GenerationRequest
+    from cluster.serving.request import GenerationRequest
     from model.runtime.sampling import SamplingParams
 
     chosen = GenerationRequest("bench", SamplingParams(), False, False, tools=tuple(tools),
@@ -116,7 +116,8 @@ def evaluate_tools(checkpoint_dir: Path, n: int = 100, seed: int = 1,
     import torch
 
     from model.training import tool_data
-    from model.chat import ChatTemplate, Tokenizer
+    from model.chat import ChatTemplate
+    from model.tokenizer import Tokenizer
     from model.loader import load_checkpoint, load_hasher
     from model.runtime.engine import Engine
 

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def _per_image(model: Path, sizes: list[tuple[int, int]], repeats: int) -> list[dict]:
     import torch
 
-    from actors.prefill import ImageEncoder
+    from actors.pool_model import ImageEncoder
     from actors.state import PromptImage
     from cluster.serving.images import ImageLimits, decode_image
     from model.loader import load_checkpoint

@@ -12,124 +12,21 @@ per policy the hit rate per tier (token-weighted; request-weighted beside it), t
 window-state hit rate, how often the encoder replays, the bytes stored per tier, and the
 ratio of what V4.1 stores to what V4 stores.
 
-``validate`` starts a `v41 serve` (the shipped small model, chunks of 128 tokens as the
-simulator's, an embedded Redis, the SSD tier in a temporary directory), replays a slice
-of the conversation trace against it (:mod:`cluster.lab.replay`; whole
-conversations, time compressed, prompts cut), restarts the node's store halfway (RAM
-lost, the SSD tier reopened: the second half's hits on earlier conversations come from
-SSD), then runs the simulator in exact mode on the same rows, with the turn ends the
-cluster measured and the restart at the same time, and compares the hit rates per tier
-(token-weighted). The cluster's tiers: the cached tokens its answers report, of which
-the chunks its store read from SSD (each read there once, then promoted) came from SSD.
+``validate`` replays a slice of the conversation trace against a live `v41 serve`, then
+the simulator on the same rows, and compares the hit rates per tier and turn by turn
+(:mod:`cluster.lab.validate`). ``report`` runs the standard experiments
+(:mod:`cluster.lab.report`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import multiprocessing.connection
-import os
 import sys
-import tempfile
-import threading
 import time
-import traceback
-from dataclasses import asdict
 from pathlib import Path
 
 TRACES = {"conversation": "CONVERSATION_TRACE", "synthetic": "SYNTHETIC_TRACE"}
-# A simulation's processes keep their heap on transparent huge pages (see in_policy_processes).
-HUGE_PAGE_ENV = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-_kept: list = []  # what a policy process holds until it exits (see _policy_process)
-
-
-def in_policy_processes(calls: list[tuple], native: Path | None = None) -> list[dict]:
-    """``_simulate(*call)`` for each call, each in a process of its own, all at once;
-    their results, in order. ``native``: a build of ``cluster.lab.native`` the
-    processes run (None: plain Python).
-
-    The processes are spawned with their heap on transparent huge pages: every Python
-    object through glibc's malloc (``PYTHONMALLOC=malloc``), which asks for huge pages
-    where the kernel gives them on request (``madvise``, the common default; glibc >=
-    2.35). A million-session run holds tens of millions of index entries in gigabytes,
-    and each request looks up a few of them at random: with 4 KiB pages most of those
-    look-ups also miss the TLB. Same results; on a 2-core Intel Xeon, 400,000 agent
-    sessions (2.1 GB) ran in 0.92x the time, the million in 0.90x. Elsewhere (no THP,
-    another libc) the variables are ignored or cost ~2%.
-
-    A process sends its result and exits at once, without freeing its store's objects
-    one by one: the million-session run's wall was 58 s over its slower process's
-    simulation when they did, 5 s since.
-    """
-    context = multiprocessing.get_context("spawn")  # not forked: the variables take effect when a process starts
-    saved = {name: os.environ.get(name) for name in HUGE_PAGE_ENV}
-    tunables = os.environ.get("GLIBC_TUNABLES")
-    os.environ.update(HUGE_PAGE_ENV)
-    if tunables:
-        os.environ["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_ENV['GLIBC_TUNABLES']}"
-    children = []
-    try:
-        for call in calls:
-            receiver, sender = context.Pipe(duplex=False)
-            process = context.Process(target=_policy_process, args=(sender, call, native), daemon=True)
-            process.start()
-            sender.close()
-            children.append((process, receiver))
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    results = []
-    try:
-        for process, receiver in children:
-            try:
-                ok, value = receiver.recv()
-            except EOFError:
-                process.join()
-                raise RuntimeError(f"a simulation's process died (exit code {process.exitcode})") from None
-            if not ok:
-                raise value
-            results.append(value)
-            process.join()
-    finally:
-        for process, _ in children:
-            if process.is_alive():
-                process.terminate()
-    return results
-
-
-def _policy_process(sender, call: tuple, native: Path | None = None) -> None:
-    _exit_with_parent()
-    try:
-        if native is not None:
-            from cluster.lab.native import activate
-
-            activate(native)
-        outcome = (True, _simulate(*call))
-    except BaseException as error:  # noqa: BLE001 (any of them, Ctrl-C too: the caller raises it)
-        error.add_note(f"in the {call[0]} policy's process:\n{traceback.format_exc()}")
-        outcome = (False, error)
-    sender.send(outcome)
-    sender.close()
-    os._exit(0)  # the simulator in _kept is not freed object by object: the OS takes the memory back at once
-
-
-def _exit_with_parent() -> None:
-    """End this process when the command's process ends. A command killed outright (SIGTERM
-    from a job scheduler, SIGKILL) cannot terminate its children, which would otherwise run
-    on for the rest of a half-hour simulation each, holding a core and gigabytes."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])  # readable once the parent is gone
-        os._exit(1)
-
-    threading.Thread(target=watch, name="v41-cache-sim-parent", daemon=True).start()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -206,75 +103,6 @@ def _workload(args: argparse.Namespace):
     return ("synthetic", profile.model_dump())
 
 
-def _requests(spec):
-    from cluster.lab import workload
-
-    if spec[0] == "trace":
-        return workload.mooncake(spec[1], stretch=spec[2], tile=spec[3])
-    return workload.synthetic(workload.Profile.model_validate(spec[1]))
-
-
-def _simulate(policy: str, config_fields: dict, spec, show_progress: bool, checkpoint_dir: str | None = None,
-              table_path: str | None = None) -> dict:
-    import hashlib
-
-    import torch
-
-    from cluster.lab import sizes as sizes_module
-    from cluster.lab.simulate import SimConfig, Simulator
-
-    torch.set_num_threads(1)
-    model = config_fields.pop("model")
-    sizes = sizes_module.v4_flash() if policy == "v4" else (
-        sizes_module.from_config(model) if model else sizes_module.from_config())
-    config = SimConfig(sizes, **config_fields)
-    started = time.time()
-
-    first: list[float] = []  # the virtual hour this process started from (a resumed run's is not 0)
-
-    def progress(now_s: float, requests: int) -> None:
-        if not show_progress:
-            return
-        first[:] = first or [now_s]
-        elapsed = time.time() - started
-        line = f"\r{policy}: {now_s / 3600:6.1f} virtual h | {requests:,} requests | {elapsed:6.0f} s"
-        if config.hours:  # a bar, and the time left at this pace
-            done = min(1.0, now_s / (config.hours * 3600))
-            pace = (now_s - first[0]) / max(1e-9, elapsed)
-            left = f"~{(config.hours * 3600 - now_s) / pace:5.0f} s left" if pace > 0 else "  ? s left"
-            line = f"\r{policy}: [{'#' * int(30 * done):<30}] {done:4.0%} | {requests:,} requests | {elapsed:5.0f} s, {left}"
-        print(line, end="", file=sys.stderr, flush=True)
-
-    checkpoint = None
-    if checkpoint_dir is not None and config.mode == "scale":  # one file per policy, workload and settings
-        tag = hashlib.sha1(json.dumps([policy, config_fields, model, spec], sort_keys=True).encode()).hexdigest()
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        checkpoint = Path(checkpoint_dir) / f"{policy}-{tag[:16]}.npz"
-        if checkpoint.exists() and show_progress:
-            print(f"resuming from {checkpoint}", file=sys.stderr)
-    from cluster.lab.simulate import RequestTable
-
-    table = RequestTable(Path(table_path)) if table_path else None
-    with tempfile.TemporaryDirectory(prefix="v41-cache-sim-") as directory:
-        simulator = Simulator(config, directory)
-        _kept.append(simulator)  # never closed: its process exits without freeing it
-        result = simulator.run(_requests(spec), progress, checkpoint=checkpoint, checkpoint_every_s=120.0, table=table)
-    if table is not None:
-        table.close()
-    if show_progress:
-        print(file=sys.stderr)
-    samples = result.samples
-    stored = [sum(s.bytes.values()) for s in samples]
-    from cluster.lab.native import active
-
-    return {"policy": policy, "compiled": active(), "sizes": sizes.as_dict(), "rates": result.rates,
-            "totals": asdict(result.totals),
-            "store": result.store, "virtual_hours": result.virtual_s / 3600, "wall_s": result.wall_s,
-            "mean_stored_bytes": sum(stored) / max(1, len(stored)),
-            "peak_stored_bytes": max(stored, default=0),
-            "samples": [asdict(s) for s in samples]}
-
-
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
         return validate(args)
@@ -302,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     checkpoints = None if args.no_checkpoint or args.requests_table else str(args.checkpoint_dir)
     tables = {policy: str(args.out / f"requests-{policy}.parquet") if args.requests_table else None
               for policy in policies}
+    from cluster.lab.policy_processes import in_policy_processes
+
     native = None
     if args.mode == "scale" and not args.no_compile:
         from cluster.lab.native import build
@@ -386,136 +216,23 @@ def make_report(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- validate
 
-_TIERS = ("ram", "ssd")
-
-
-def _restart_store() -> None:
-    """Kill the node's store actor (Ray restarts it on its SSD slot) and wait until the
-    new process answers (the old one may still answer a call sent just after the kill)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayError
-
-    from actors.store import store_actors
-
-    (store,) = store_actors().values()
-    ray.get(store.flush.remote())  # what the first half wrote is on the SSD (as the simulator's is)
-    old = ray.get(store.pid.remote())
-    ray.kill(store, no_restart=False)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if ray.get(store.pid.remote(), timeout=5) != old:
-                return
-        except (RayError, GetTimeoutError):  # still restarting
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the store actor did not come back within 120 s")
-
-
-def _live(sent, ssd_hits: int, chunk_tokens: int) -> dict[str, float]:
-    prompt = sum(s.prompt_tokens for s in sent)
-    cached = sum(s.cached_tokens for s in sent)
-    ssd = ssd_hits * chunk_tokens
-    return {"hit_rate_ram": (cached - ssd) / max(1, prompt), "hit_rate_ssd": ssd / max(1, prompt),
-            "hit_rate": cached / max(1, prompt)}
-
 
 def validate(args: argparse.Namespace) -> int:
-    import asyncio
-    import shutil
-    import tempfile
-
-    import pyarrow.parquet as pq
-
-    from actors.store import tier_totals
-    from cluster.lab import replay, workload
-    from cluster.lab import sizes as sizes_module
-    from cluster.lab.simulate import RequestTable, SimConfig, Simulator
     from cluster import UserError
-    from cluster.serving.local import default_model, local_app
-    from actors.config import AppConfig
-    from model.config import ModelConfig
-    from storage.redis_server import free_port
+    from cluster.lab.validate import Slice
+    from cluster.lab.validate import validate as compare
+    from cluster.serving.local import default_model
 
-    started = time.time()
     model = args.model or default_model()
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
     for name in ("conversations", "speedup", "max_prompt_tokens", "max_tokens", "concurrency", "minutes", "ram_mb"):
         if getattr(args, name) <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive")
-    rows = replay.trace_slice(workload.read_trace(workload.CONVERSATION_TRACE), args.conversations, args.minutes,
-                              args.max_prompt_tokens, args.max_tokens)
-    if len(rows) < 2:
-        raise UserError("the slice holds fewer than two requests: take more --conversations or --minutes")
-    vocab = ModelConfig.from_dict(json.loads((model / "config.json").read_text())).text.vocab_size
-    chunk_tokens = workload.CHUNK_TOKENS
-    ram_bytes = int(args.ram_mb * (1 << 20))
-    app_args = {"model": str(model), "chunk_tokens": chunk_tokens, "ram_capacity_bytes": ram_bytes,
-                "max_model_len": args.max_prompt_tokens + args.max_tokens + 64, "speculation": "off"}
-    restart_at = None if args.no_restart else len(rows) // 2
-    cache_dir = tempfile.mkdtemp(prefix="v41-cache-sim-validate-")
-    app_args["ssd_dir"] = cache_dir + "/{node}"
-    port = free_port()
-    before: dict[str, dict] = {}
-
-    async def restart() -> None:
-        before.update(tier_totals())  # a restarted store counts from zero
-        await asyncio.to_thread(_restart_store)
-
-    try:
-        with local_app(app_args, port=port):
-            name = AppConfig.from_args({"model": str(model)}).model_name
-            sent, restarted_s = asyncio.run(replay.replay(f"http://127.0.0.1:{port}", name, rows, vocab,
-                                                          args.speedup, args.concurrency, restart_at, restart))
-            after = tier_totals()
-    finally:
-        shutil.rmtree(cache_dir, ignore_errors=True)
-    failed = [s for s in sent if s.status != 200]
-    if failed:
-        raise UserError(f"{len(failed)} of {len(sent)} replayed requests failed, e.g. {failed[0].error}")
-    ssd_hits = before.get("ssd", {}).get("hits", 0) + after.get("ssd", {}).get("hits", 0)
-    live = _live(sent, ssd_hits, chunk_tokens)
-
-    # The simulator on the same rows, at the times the cluster looked them up and stored them.
-    looked = [s.sent_s if s.lookup_s is None else s.lookup_s for s in sent]
-    stored = [s.done_s if s.stored_s is None else s.stored_s for s in sent]
-    timed = [dict(row, timestamp=at * 1000.0) for row, at in zip(rows, looked)]
-    order = sorted(range(len(sent)), key=looked.__getitem__)  # the simulator's arrival order
-    unordered = list(workload.trace_requests(timed, done_s=stored))
-    requests = [unordered[i] for i in order]
-    config = SimConfig(sizes_module.from_config(model, chunk_tokens), ram_bytes=ram_bytes, mode="exact", shrink=1,
-                       extents=False)  # one object per chunk, as the store keeps them
-    table_dir = tempfile.mkdtemp(prefix="v41-cache-sim-validate-")
-    try:
-        table = RequestTable(Path(table_dir) / "requests.parquet")
-        with Simulator(config) as simulator:
-            result = simulator.run(requests, restarts=[] if restarted_s is None else [restarted_s], table=table)
-            simulated_evictions = result.store["tiers"]["ram"]["evictions"] + sum(
-                stats.tiers["ram"].evictions for stats in simulator.earlier_stores)
-        table.close()
-        outcomes = pq.read_table(table.path, columns=["hit_tokens_ram", "hit_tokens_ssd"]).to_pylist()
-    finally:
-        shutil.rmtree(table_dir, ignore_errors=True)
-    # Each turn, in the order sent: what the cluster found against what the simulator found.
-    turns = [None] * len(sent)
-    for index, outcome in zip(order, outcomes):
-        s = sent[index]
-        turns[index] = {"sent_s": round(s.sent_s, 3), "lookup_s": round(looked[index], 3),
-                        "stored_s": round(stored[index], 3), "prompt_tokens": s.prompt_tokens,
-                        "cached_live": s.cached_tokens, "cached_sim_ram": outcome["hit_tokens_ram"],
-                        "cached_sim_ssd": outcome["hit_tokens_ssd"]}
-    simulated = {key: result.rates[key] for key in ("hit_rate_ram", "hit_rate_ssd", "hit_rate")}
-    diffs = {key: abs(live[key] - simulated[key]) for key in simulated}
-    report = {"requests": len(sent), "conversations": args.conversations, "prompt_tokens": sum(s.prompt_tokens
-              for s in sent), "restart_at_s": restarted_s, "replay_s": round(max(s.done_s for s in sent), 1),
-              "live": {k: round(v, 4) for k, v in live.items()}, "simulated": {k: round(v, 4) for k, v in
-                                                                               simulated.items()},
-              "abs_diff": {k: round(v, 4) for k, v in diffs.items()},
-              "max_abs_hit_rate_diff": round(max(diffs.values()), 4), "ram_mb": args.ram_mb,
-              "evictions": {"live_ram": before.get("ram", {}).get("evictions", 0) + after.get("ram", {}).get("evictions", 0),
-                            "simulated_ram": simulated_evictions},
-              "wall_s": round(time.time() - started, 1), "turns": turns}
+    report = compare(model, Slice(args.conversations, args.minutes, args.speedup, args.max_prompt_tokens,
+                                  args.max_tokens, args.concurrency, args.ram_mb, restart=not args.no_restart))
+    live, simulated, diffs = report["live"], report["simulated"], report["abs_diff"]
+    restarted_s = report["restart_at_s"]
     print(f"v41 cache-sim validate: {report['requests']} requests of {args.conversations} conversations "
           f"({report['prompt_tokens']:,} prompt tokens), replayed in {report['replay_s']} s"
           + ("" if restarted_s is None else f", the store restarted at {restarted_s:.1f} s"))
@@ -524,6 +241,7 @@ def validate(args: argparse.Namespace) -> int:
         print(f"{label:<10} {live[key]:>7.3f} {simulated[key]:>7.3f} {diffs[key]:>7.3f}")
     print(f"max |live - simulated| = {report['max_abs_hit_rate_diff']:.3f}; RAM evictions: live "
           f"{report['evictions']['live_ram']}, simulated {report['evictions']['simulated_ram']}")
+    turns = report["turns"]
     differing = [(i, t) for i, t in enumerate(turns) if t["cached_live"] != t["cached_sim_ram"] + t["cached_sim_ssd"]]
     print(f"turns whose cached tokens differ: {len(differing)} of {len(turns)}")
     for i, t in differing:

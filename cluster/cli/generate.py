@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster import UserError
     from cluster.inputs import load_or_fail, read_id_lists
     from model.runtime.batcher import generate
-    from model.chat import ChatTemplate, Message, Tokenizer
+    from model.chat import ChatTemplate, Message
+    from model.tokenizer import Tokenizer
     from model.runtime.engine import Engine
     from model.runtime.sampling import SamplingParams, SamplingParamsError
 

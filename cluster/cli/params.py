@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def parallel_report(config, spec, pool: str, device_bytes: float, kv_bytes_per_token: int) -> dict:
     """What ``--parallel`` prints: bytes per worker, room left, traffic per token."""
-    from model.parallel import token_traffic, worker_bytes
+    from model.parallel_costs import token_traffic, worker_bytes
 
     held = worker_bytes(config, spec, pool)
     traffic = token_traffic(config, spec, pool)

@@ -16,7 +16,7 @@ against c* = 1 - TV, each position-weighted by exp(-(k-1)/K). Only the drafter l
 Calibration. Greedy continuations of held-out prompts give exact verification labels
 (along a greedy trajectory the target's argmax is the next token): every anchor's
 greedy draft is accepted up to its first mismatch. Sequential temperature scaling
-(:meth:`model.runtime.speculative.Calibration.fit`) runs on the saved (quantised) drafter.
+(:meth:`model.runtime.calibration.Calibration.fit`) runs on the saved (quantised) drafter.
 
 Output: the whole checkpoint re-saved with the trained drafter
 (``model.loader.save_checkpoint``) and ``dspark_calibration.json`` (temperatures, ECE
@@ -31,7 +31,22 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.cli.training import check_bounded, keep_heap, minutes_argument, time_budget
+import torch
+
+from cluster import UserError
+from cluster.cli.training import add_limits, check_bounded, keep_heap, time_budget
+from model import training
+from model.config import ConfigError
+from model.dspark import draft_loss, target_streams
+from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
+from model.runtime.batcher import Speculation, generate
+from model.runtime.engine import Engine
+from model.runtime.sampling import SamplingParams
+from model.runtime.calibration import Calibration
+from model.runtime.speculative import SpeculativeDrafter
+from model.training.batches import engram_ids
+from model.training.corpus import load_corpus, token_stream
+from model.training.loop import Counters, Plan, Task, train
 
 MINUTES = 15.0  # the time budget when neither --minutes nor --steps is given
 
@@ -39,8 +54,7 @@ MINUTES = 15.0  # the time budget when neither --minutes nor --steps is given
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"), help="checkpoint directory")
     parser.add_argument("--out", type=Path, default=None, help="where to save (default: the checkpoint itself)")
-    parser.add_argument("--minutes", **minutes_argument(MINUTES))
-    parser.add_argument("--steps", type=int, default=None, help="stop after N steps")
+    add_limits(parser, MINUTES)
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=160)
     parser.add_argument("--anchors", type=int, default=24, help="blocks per sequence")
@@ -56,9 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _greedy(engine, prompts: list[list[int]], length: int, speculation=None, batch: int = 32) -> list[list[int]]:
     """Prompts followed by their greedy continuations (speculation, when given, only
     makes this faster: greedy speculative output equals plain greedy output)."""
-    from model.runtime.batcher import generate
-    from model.runtime.sampling import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=length)
     out = []
     for i in range(0, len(prompts), batch):
@@ -68,8 +79,6 @@ def _greedy(engine, prompts: list[list[int]], length: int, speculation=None, bat
 
 
 def _windows(stream, n: int, length: int, generator) -> list[list[int]]:
-    import torch
-
     starts = torch.randint(0, len(stream) - length - 1, (n,), generator=generator).tolist()
     return [stream[s : s + length].tolist() for s in starts]
 
@@ -77,16 +86,11 @@ def _windows(stream, n: int, length: int, generator) -> list[list[int]]:
 def held_out_labels(drafter, model, hasher, sequences: list[list[int]], start: int, block: int = 32):
     """(confidence logits [N, K], accepted prefix [N, K] bool) of the greedy drafts at every
     anchor past ``start`` of greedy sequences (exact labels, see the module doc)."""
-    import torch
-
-    from model.dspark import target_streams
-
     k = drafter.block_size
     logits_all, accepted_all = [], []
     for seq in sequences:
         ids = torch.tensor([seq])
-        engram = hasher.hash_ids(ids)[0] if hasher is not None else None
-        _, streams = target_streams(model, ids, engram, drafter.config.dspark_target_layer_ids)
+        _, streams = target_streams(model, ids, engram_ids(hasher, ids), drafter.config.dspark_target_layer_ids)
         with torch.no_grad():
             s = ids.shape[1]
             positions = torch.arange(s)[None]
@@ -104,18 +108,6 @@ def held_out_labels(drafter, model, hasher, sequences: list[list[int]], start: i
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from cluster import UserError
-    from cluster.cli.train_small import load_corpus, token_stream
-    from model import training
-    from model.config import ConfigError
-    from model.dspark import draft_loss, target_streams
-    from model.runtime.engine import Engine
-    from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
-    from model.runtime.batcher import Speculation
-    from model.runtime.speculative import Calibration, SpeculativeDrafter
-
     check_bounded(args.minutes, args.steps)
     keep_heap()
     out = args.out or args.checkpoint
@@ -127,96 +119,117 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(error)) from None
     if checkpoint.drafter is None:
         raise UserError(f"{args.checkpoint} has no DSpark drafter (num_nextn_predict_layers = 0)")
-    model, drafter = checkpoint.backbone.eval(), checkpoint.drafter
     if args.init is not None:
-        _load_drafter(args.init, drafter)
-    config = checkpoint.config.text
-    k = drafter.block_size
-    targets = config.dspark_target_layer_ids
-    if args.seq_len < args.prompt_len + 2 * k:
+        _load_drafter(args.init, checkpoint.drafter)
+    if args.seq_len < args.prompt_len + 2 * checkpoint.drafter.block_size:
         raise UserError("--seq-len must exceed --prompt-len by at least twice the block size")
-    for p in model.parameters():
+    for p in checkpoint.backbone.parameters():
         p.requires_grad_(False)
     started = time.time()
-    generator = torch.Generator().manual_seed(args.seed)
+    task = DrafterTraining(args, checkpoint, hasher, tokenizer)
+    plan = Plan(lambda step, progress: training.lr_factor(progress), steps=args.steps,
+                seconds=time_budget(args.minutes, args.steps, MINUTES))
+    task.drafter.train()
+    counters = train(task, plan)
+    task.drafter.eval()
+    save_checkpoint(out, checkpoint)
+    _calibrate(out, task, hasher, counters, started)
+    return 0
 
-    corpus = load_corpus(args.max_files)
-    train_stream = token_stream(tokenizer, corpus.train)
-    held_stream = token_stream(tokenizer, corpus.held_out)
-    engine = Engine(model, hasher, bounded_replay=False)
-    gen_len = args.seq_len - args.prompt_len
-    # A warm-started drafter speeds the generation up (fixed k: no profiling needed).
-    speculation = Speculation(SpeculativeDrafter(drafter, engine), "fixed", k=k) if args.init is not None else None
-    print(f"generating {args.generated} + {args.held_out} greedy continuations of {gen_len} tokens ...", file=sys.stderr)
-    generated = _greedy(engine, _windows(train_stream, args.generated, args.prompt_len, generator), gen_len, speculation)
-    held_out = _greedy(engine, _windows(held_stream, args.held_out, args.prompt_len, generator), gen_len, speculation)
-    print(f"  {time.time() - started:.0f} s", file=sys.stderr)
 
-    drafter.train()
-    params = [p for p in drafter.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    budget = time_budget(args.minutes, args.steps, MINUTES)
-    log = {"steps": [], "loss": [], "tv": [], "acceptance": []}
-    step, elapsed = 0, 0.0
-    while True:
-        progress = max(step / args.steps if args.steps else 0.0, elapsed / budget)
-        if progress >= 1.0:
-            break
-        tick = time.time()
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * training.lr_factor(progress)
+class DrafterTraining(Task):
+    """The drafter's steps on its frozen backbone: half greedy continuations, half
+    corpus windows, blocks anchored at random positions, the DSpark loss."""
+
+    def __init__(self, args: argparse.Namespace, checkpoint, hasher, tokenizer):
+        self.args, self.hasher = args, hasher
+        self.model, self.drafter = checkpoint.backbone.eval(), checkpoint.drafter
+        self.targets = checkpoint.config.text.dspark_target_layer_ids
+        self.generator = torch.Generator().manual_seed(args.seed)
+        corpus = load_corpus(args.max_files)
+        self.train_stream = token_stream(tokenizer, corpus.train)
+        held_stream = token_stream(tokenizer, corpus.held_out)
+        self.generated, self.held_out = self._continuations(held_stream)
+        params = list(self.drafter.parameters())
+        self.optimizers = [torch.optim.AdamW([{"params": params, "base_lr": args.lr}], lr=args.lr, weight_decay=0.01,
+                                             betas=(0.9, 0.95))]
+        self.log = {"steps": [], "loss": [], "tv": [], "acceptance": []}
+
+    def _continuations(self, held_stream) -> tuple[list[list[int]], list[list[int]]]:
+        """Greedy continuations of training prompts (data) and of held-out ones (calibration)."""
+        args, k = self.args, self.drafter.block_size
+        started = time.time()
+        engine = Engine(self.model, self.hasher, bounded_replay=False)
+        gen_len = args.seq_len - args.prompt_len
+        # A warm-started drafter speeds the generation up (fixed k: no profiling needed).
+        speculation = (Speculation(SpeculativeDrafter(self.drafter, engine), "fixed", k=k)
+                       if args.init is not None else None)
+        print(f"generating {args.generated} + {args.held_out} greedy continuations of {gen_len} tokens ...",
+              file=sys.stderr)
+        generated = _greedy(engine, _windows(self.train_stream, args.generated, args.prompt_len, self.generator),
+                            gen_len, speculation)
+        held_out = _greedy(engine, _windows(held_stream, args.held_out, args.prompt_len, self.generator), gen_len,
+                           speculation)
+        print(f"  {time.time() - started:.0f} s", file=sys.stderr)
+        return generated, held_out
+
+    def step(self, progress: float) -> None:
+        args, k, generator = self.args, self.drafter.block_size, self.generator
         n_gen = args.batch // 2
-        picks = torch.randint(0, len(generated), (n_gen,), generator=generator).tolist()
-        rows = [generated[i] for i in picks] + _windows(train_stream, args.batch - n_gen, args.seq_len, generator)
+        picks = torch.randint(0, len(self.generated), (n_gen,), generator=generator).tolist()
+        rows = [self.generated[i] for i in picks] + _windows(self.train_stream, args.batch - n_gen, args.seq_len,
+                                                             generator)
         ids = torch.tensor(rows)
-        engram = hasher.hash_ids(ids)[0] if hasher is not None else None
-        teacher, streams = target_streams(model, ids, engram, targets)
+        teacher, streams = target_streams(self.model, ids, engram_ids(self.hasher, ids), self.targets)
         anchors = torch.randint(0, args.seq_len - 1 - k, (args.batch, args.anchors), generator=generator)
-        logits, confidence = drafter.teacher_forced(streams, ids, anchors, model.embed, model.lm_head)
+        logits, confidence = self.drafter.teacher_forced(streams, ids, anchors, self.model.embed, self.model.lm_head)
         batch_rows = torch.arange(args.batch).repeat_interleave(args.anchors)
         window = anchors.reshape(-1, 1) + torch.arange(k)
-        loss = draft_loss(logits, confidence, teacher[batch_rows[:, None], window], ids[batch_rows[:, None], window + 1])
+        rows_of = batch_rows[:, None]
+        loss = draft_loss(logits, confidence, teacher[rows_of, window], ids[rows_of, window + 1])
+        (optimizer,) = self.optimizers
         optimizer.zero_grad(set_to_none=True)
         loss.total.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         optimizer.step()
-        step += 1
-        elapsed += time.time() - tick
-        log["steps"].append(step)
-        log["loss"].append(round(float(loss.total.detach()), 4))
-        log["tv"].append(round(float(loss.tv.detach()), 4))
-        log["acceptance"].append([round(float(a), 3) for a in loss.argmax_match])
-        recent = log["loss"][-20:]
-        print(f"\rstep {step} | loss {sum(recent) / len(recent):.3f} | tv {float(loss.tv.detach()):.3f} | argmax match "
-              f"{' '.join(f'{float(a):.2f}' for a in loss.argmax_match)} | {elapsed / 60:.1f}/{budget / 60:.0f} min   ",
-              end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    drafter.eval()
+        self.log["loss"].append(round(float(loss.total.detach()), 4))
+        self.log["tv"].append(round(float(loss.tv.detach()), 4))
+        self.log["acceptance"].append([round(float(a), 3) for a in loss.argmax_match])
 
-    save_checkpoint(out, checkpoint)
+    def between(self, counters: Counters) -> None:
+        self.log["steps"].append(counters.step)
+
+    def status(self) -> str:
+        recent = self.log["loss"][-20:]
+        return (f"loss {sum(recent) / len(recent):.3f} | tv {self.log['tv'][-1]:.3f} | argmax match "
+                f"{' '.join(f'{a:.2f}' for a in self.log['acceptance'][-1])}")
+
+
+def _calibrate(out: Path, task: DrafterTraining, hasher, counters: Counters, started: float) -> None:
+    """Fit the confidence temperatures on the saved (quantised) drafter's held-out
+    drafts and write ``dspark_calibration.json``."""
+    args = task.args
     saved = load_checkpoint(out)  # calibrate what users load (quantised weights)
-    conf_logits, accepted = held_out_labels(saved.drafter, saved.backbone, hasher, held_out, args.prompt_len)
+    conf_logits, accepted = held_out_labels(saved.drafter, saved.backbone, hasher, task.held_out, args.prompt_len)
     calibration = Calibration.fit(conf_logits, accepted)
     acceptance_length = 1.0 + float(accepted.float().sum(dim=-1).mean())
     report = {
         **calibration.to_dict(),
-        "held_out": {"sequences": len(held_out), "blocks": int(accepted.shape[0]),
+        "held_out": {"sequences": len(task.held_out), "blocks": int(accepted.shape[0]),
                      "greedy_acceptance_length": round(acceptance_length, 4),
                      "prefix_acceptance": [round(float(a), 4) for a in accepted.float().mean(0)]},
-        "training": {"steps": step, "train_seconds": round(elapsed, 1), "wall_seconds": round(time.time() - started, 1),
-                     "batch": args.batch, "seq_len": args.seq_len, "anchors": args.anchors, "lr": args.lr,
-                     "generated": args.generated, "loss_weights": {"ce": 0.1, "tv": 0.9, "conf": 1.0}, "log": log},
+        "training": {"steps": counters.step, "train_seconds": round(counters.elapsed, 1),
+                     "wall_seconds": round(time.time() - started, 1), "batch": args.batch, "seq_len": args.seq_len,
+                     "anchors": args.anchors, "lr": args.lr, "generated": args.generated,
+                     "loss_weights": {"ce": 0.1, "tv": 0.9, "conf": 1.0}, "log": task.log},
     }
     (Path(out) / "dspark_calibration.json").write_text(json.dumps(report) + "\n")
     print(f"saved {out}: held-out greedy acceptance length {acceptance_length:.3f}, temperatures "
           f"{[round(t, 3) for t in calibration.temperatures]}, ECE {[round(e, 3) for e in calibration.ece_before]} -> "
           f"{[round(e, 3) for e in calibration.ece_after]}", file=sys.stderr)
-    return 0
 
 
 def _load_drafter(directory: Path, drafter) -> None:
     """Copy the ``mtp.*`` tensors of another checkpoint into ``drafter`` (a warm start)."""
-    from model.loader import load_checkpoint
-
     source = load_checkpoint(directory)
     drafter.load_state_dict(source.drafter.state_dict())

@@ -28,11 +28,22 @@ import argparse
 import json
 import math
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 from cluster.cli.training import keep_heap
+from model.chat import ChatTemplate, ImagePart, Message
+from model.config import VisionConfig
+from model.loader import load_checkpoint, load_hasher, save_with_vision
+from model.tokenizer import Tokenizer
+from model.training import train_forward
+from model.training.corpus import load_corpus
+from model.training.loop import Plan, Task, train
+from model.transformer import init_module
+from model.vision import VisionTower, preprocess_image
 
 PROMPT = "Transcribe the code in the image:\n"
 VISION = {"hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -84,10 +95,7 @@ def render(text: str, font: Path, size: int, margin: int):
 def render_with_boxes(text: str, font: Path, size: int, margin: int):
     """(``text`` drawn black on white [3, H, W] uint8, the box (x0, y0, x1, y1) and
     character of every glyph that is not a space)."""
-    import math
-
     import numpy as np
-    import torch
     from PIL import Image, ImageDraw, ImageFont
 
     face = ImageFont.truetype(str(font), size)
@@ -118,8 +126,6 @@ GLYPHS = 95
 
 def patch_glyphs(boxes, plan, source_height: int, source_width: int, patch: int = 14):
     """[vit_h * vit_w] glyph classes (row-major) of a planned image's patches."""
-    import torch
-
     labels = torch.zeros(plan.vit_h, plan.vit_w, dtype=torch.long)
     best = torch.zeros(plan.vit_h, plan.vit_w)
     sx, sy = plan.content_width / source_width, plan.content_height / source_height
@@ -138,8 +144,6 @@ def patch_glyphs(boxes, plan, source_height: int, source_width: int, patch: int 
 
 def draw(text: str, generator, boxes: bool = False):
     """``text`` in a random face, size and margin: pixels (and glyph boxes)."""
-    import torch
-
     fonts = font_paths()
     face = fonts[int(torch.randint(len(fonts), (1,), generator=generator))]
     size = int(torch.randint(16, 25, (1,), generator=generator))
@@ -152,9 +156,6 @@ class Example:
     """One turn: the prompt with the image's span, the answer's ids, the image."""
 
     def __init__(self, template, vision_config, text: str, pixels, boxes=None):
-        from model.chat import ImagePart, Message
-        from model.vision import preprocess_image
-
         self.text, self.pixels = text, pixels
         self.patches, self.plan = preprocess_image(pixels, vision_config)
         self.glyphs = None if boxes is None else patch_glyphs(boxes, self.plan, pixels.shape[1], pixels.shape[2])
@@ -165,16 +166,6 @@ class Example:
 
 # ---------------------------------------------------------------------- training
 def run(args: argparse.Namespace) -> int:
-    import torch
-    import torch.nn.functional as F
-
-    from cluster.cli.train_small import load_corpus
-    from model.chat import ChatTemplate, Tokenizer
-    from model.config import VisionConfig
-    from model.loader import load_checkpoint, load_hasher, save_with_vision
-    from model.transformer import init_module
-    from model.vision import VisionTower
-
     if args.evaluate_only:
         result = evaluate(args.checkpoint, args.eval)
         print(json.dumps({k: v for k, v in result.items() if k != "examples"}))
@@ -182,71 +173,84 @@ def run(args: argparse.Namespace) -> int:
     keep_heap()
     torch.manual_seed(args.seed)
     checkpoint = load_checkpoint(args.checkpoint, keep_stored=True)
-    backbone, text = checkpoint.backbone, checkpoint.config.text
-    backbone.requires_grad_(False)
-    vision = VisionConfig(**VISION)
-    tower = init_module(VisionTower(vision, text), seed=args.seed, std=0.02).train()
-    if args.init is not None:  # (the glyph head is not saved: it starts afresh)
-        start = load_checkpoint(args.init).vision
-        if start is None or start.config != vision:
-            raise SystemExit(f"v41 train-vision: {args.init} has no vision tower of this size")
-        tower.load_state_dict(start.state_dict())
-    tokenizer = Tokenizer.from_dir(args.checkpoint)
-    template = ChatTemplate(tokenizer)
-    hasher = load_hasher(args.checkpoint, checkpoint.config)
-    image_id = tokenizer.special.image
-    corpus = load_corpus()
-    train = snippets(corpus.train)
-    print(f"{len(train)} training snippets; tower {sum(p.numel() for p in tower.parameters()):,} parameters",
-          file=sys.stderr)
-    reader = torch.nn.Linear(vision.hidden_size, GLYPHS)  # the auxiliary glyph head (not saved)
-    optimizer = torch.optim.AdamW([*tower.parameters(), *reader.parameters()], lr=args.lr, weight_decay=0.01)
-    generator = torch.Generator().manual_seed(args.seed)
-    budget, started, step, log, glyph_log = args.minutes * 60, time.monotonic(), 0, [], []
-    while time.monotonic() - started < budget:
-        progress = (time.monotonic() - started) / budget
-        factor = min(1.0, progress / 0.03) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * factor
-        picks = torch.randint(len(train), (args.batch,), generator=generator).tolist()
-        examples = [Example(template, vision, train[i], *draw(train[i], generator, boxes=True)) for i in picks]
-        loss, glyph_loss = _loss(backbone, tower, hasher, examples, image_id, tokenizer.special.pad, F, reader)
-        glyph_log.append(round(glyph_loss.item(), 4))
-        loss = loss + args.glyph_weight * glyph_loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(tower.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        log.append(round(loss.item() - args.glyph_weight * glyph_log[-1], 4))
-        if step % 20 == 0:
-            elapsed = time.monotonic() - started
-            print(f"\rstep {step}  loss {sum(log[-20:]) / 20:.3f}  glyphs {sum(glyph_log[-20:]) / 20:.3f}  "
-                  f"{elapsed / 60:.1f}/{args.minutes:g} min", end="", file=sys.stderr)
-    print(file=sys.stderr)
-    tower.eval()
-    out = save_with_vision(args.checkpoint, args.out, checkpoint, tower, image_id)
+    task = VisionTraining(args, checkpoint)
+    task.tower.train()
+    counters = train(task, Plan(_schedule, seconds=args.minutes * 60))
+    task.tower.eval()
+    out = save_with_vision(args.checkpoint, args.out, checkpoint, task.tower, task.tokenizer.special.image)
     (out / "vision_training.json").write_text(json.dumps({
-        "steps": step, "minutes": args.minutes, "batch": args.batch, "lr": args.lr, "seed": args.seed,
+        "steps": counters.step, "minutes": args.minutes, "batch": args.batch, "lr": args.lr, "seed": args.seed,
         "init": str(args.init) if args.init else None,
-        "vision_config": asdict(vision), "prompt": PROMPT, "faces": FACES, "font_sizes": [16, 24],
-        "glyph_weight": args.glyph_weight,
-        "glyph_loss_every_20": [round(sum(glyph_log[i:i + 20]) / len(glyph_log[i:i + 20]), 4)
-                                for i in range(0, len(glyph_log), 20)],
-        "training_snippets": len(train), "loss_every_20": [round(sum(log[i:i + 20]) / len(log[i:i + 20]), 4)
-                                                           for i in range(0, len(log), 20)]}, indent=1) + "\n")
+        "vision_config": asdict(task.vision), "prompt": PROMPT, "faces": FACES, "font_sizes": [16, 24],
+        "glyph_weight": args.glyph_weight, "glyph_loss_every_20": _means(task.glyph_log),
+        "training_snippets": len(task.snippets), "loss_every_20": _means(task.log)}, indent=1) + "\n")
     result = evaluate(out, args.eval)
     (out / "vision_eval.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "examples"}))
     return 0
 
 
+def _schedule(step: int, progress: float) -> float:
+    """3% linear warmup, then a cosine from 1 down to 0.1."""
+    return min(1.0, progress / 0.03) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _means(values: list[float], every: int = 20) -> list[float]:
+    return [round(sum(values[i:i + every]) / len(values[i:i + every]), 4) for i in range(0, len(values), every)]
+
+
+class VisionTraining(Task):
+    """The tower's steps on its frozen backbone: a batch of drawn snippets, the answer's
+    cross entropy plus the glyph head's (``--glyph-weight``)."""
+
+    def __init__(self, args: argparse.Namespace, checkpoint):
+        self.args, self.backbone, text = args, checkpoint.backbone, checkpoint.config.text
+        self.backbone.requires_grad_(False)
+        self.vision = VisionConfig(**VISION)
+        self.tower = init_module(VisionTower(self.vision, text), seed=args.seed, std=0.02)
+        if args.init is not None:  # (the glyph head is not saved: it starts afresh)
+            start = load_checkpoint(args.init).vision
+            if start is None or start.config != self.vision:
+                raise SystemExit(f"v41 train-vision: {args.init} has no vision tower of this size")
+            self.tower.load_state_dict(start.state_dict())
+        self.tokenizer = Tokenizer.from_dir(args.checkpoint)
+        self.template = ChatTemplate(self.tokenizer)
+        self.hasher = load_hasher(args.checkpoint, checkpoint.config)
+        self.snippets = snippets(load_corpus().train)
+        print(f"{len(self.snippets)} training snippets; tower {sum(p.numel() for p in self.tower.parameters()):,} "
+              "parameters", file=sys.stderr)
+        self.reader = torch.nn.Linear(self.vision.hidden_size, GLYPHS)  # the auxiliary glyph head (not saved)
+        self.optimizers = [torch.optim.AdamW([{"params": [*self.tower.parameters(), *self.reader.parameters()],
+                                               "base_lr": args.lr}], lr=args.lr, weight_decay=0.01)]
+        self.generator = torch.Generator().manual_seed(args.seed)
+        self.log: list[float] = []
+        self.glyph_log: list[float] = []
+
+    def step(self, progress: float) -> None:
+        args, special = self.args, self.tokenizer.special
+        picks = [self.snippets[i] for i in torch.randint(len(self.snippets), (args.batch,),
+                                                           generator=self.generator).tolist()]
+        examples = [Example(self.template, self.vision, text, *draw(text, self.generator, boxes=True))
+                    for text in picks]
+        loss, glyph_loss = _loss(self.backbone, self.tower, self.hasher, examples, special.image, special.pad, F,
+                                 self.reader)
+        self.glyph_log.append(round(glyph_loss.item(), 4))
+        loss = loss + args.glyph_weight * glyph_loss
+        (optimizer,) = self.optimizers
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.tower.parameters(), 1.0)
+        optimizer.step()
+        self.log.append(round(loss.item() - args.glyph_weight * self.glyph_log[-1], 4))
+
+    def status(self) -> str:
+        loss, glyphs = self.log[-20:], self.glyph_log[-20:]
+        return f"loss {sum(loss) / len(loss):.3f} | glyphs {sum(glyphs) / len(glyphs):.3f}"
+
+
 def _loss(backbone, tower, hasher, examples: list[Example], image_id: int, pad_id: int, F, reader=None):
     """The answers' cross entropy; with ``reader`` (the glyph head), also the patches'
     glyph cross entropy: (answer loss, glyph loss)."""
-    import torch
-
-    from model.training import train_forward
 
     rows = [e.prompt + e.answer for e in examples]
     length = max(len(r) for r in rows)
@@ -292,14 +296,9 @@ def char_accuracy(predicted: str, truth: str) -> float:
 
 def evaluate(directory: Path, n: int = 100, seed: int = 1234, max_tokens: int = 64) -> dict:
     """Greedy transcriptions of ``n`` held-out snippets, with the image and without it."""
-    import torch
-
-    from actors.prefill import ImageEncoder
+    from actors.pool_model import ImageEncoder
     from actors.state import PromptImage
-    from cluster.cli.train_small import load_corpus
     from cluster.serving.images import pixel_digest
-    from model.chat import ChatTemplate, Message, Tokenizer
-    from model.loader import load_checkpoint, load_hasher
     from model.runtime.engine import Engine
 
     checkpoint = load_checkpoint(directory)

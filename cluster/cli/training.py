@@ -1,15 +1,22 @@
-"""The ``v41`` subcommands (one module each)."""
+"""What the training commands share on the command line: how long a run may take
+(``--minutes``, ``--steps``, ``--resume``) and the process's heap."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import math
 
 
-def minutes_argument(default: float) -> dict:
-    """``--minutes`` for a training command, with :func:`time_budget`'s default."""
-    return {"type": float, "default": None,
-            "help": f"training time budget (the LR schedule follows it; default {default:g}, none with --steps)"}
+def add_limits(parser: argparse.ArgumentParser, minutes: float, state: str | None = None) -> None:
+    """``--minutes`` (``minutes`` by default: see :func:`time_budget`) and ``--steps``; with
+    ``state`` (the train state's folder under ``--out``), ``--resume``."""
+    parser.add_argument("--minutes", type=float, default=None,
+                        help=f"training time budget (the LR schedule follows it; default {minutes:g}, none with "
+                             "--steps)")
+    parser.add_argument("--steps", type=int, default=None, help="stop after N steps (the schedule follows N when given)")
+    if state is not None:
+        parser.add_argument("--resume", action="store_true", help=f"continue from OUT/{state}")
 
 
 def time_budget(minutes: float | None, steps: int | None, default: float) -> float:

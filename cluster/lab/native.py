@@ -34,10 +34,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Compiled: the RAM and SSD tiers' LRU code, the store's read and write paths, the
-# simulator's events, the synthetic sessions' loop. storage/sized.py stays plain
-# Python (a compiled class cannot subclass bytes), and so does workload.py (pydantic).
+# simulator's events with its settings, counters and request table, the synthetic
+# sessions' loop. storage/sized.py stays plain Python (a compiled class cannot subclass
+# bytes), and so does workload.py (pydantic).
 COMPILED = ("storage/metrics.py", "storage/tier.py", "storage/ram_tier.py", "storage/ssd_tier.py",
-            "storage/store.py", "cluster/lab/simulate.py", "cluster/lab/sessions.py")
+            "storage/store.py", "cluster/lab/sim_config.py", "cluster/lab/counts.py", "cluster/lab/request_table.py",
+            "cluster/lab/simulate.py", "cluster/lab/sessions.py")
 # What the compiled modules are typed against (hashed into the key; the packages whose
 # __path__ activate() extends).
 SOURCES = ("storage", "cluster/lab")

@@ -85,13 +85,13 @@ def jobs(agent_sessions: int, agent_hours: float, trace_rows: int | None = None)
 
 
 def _requests(job: Job):
-    from cluster.lab import workload
+    from cluster.lab import sessions, workload
 
     if job.workload == "conversation":
         rows = workload.read_trace(workload.CONVERSATION_TRACE)[: job.trace_rows]
         span_h = (max(r["timestamp"] for r in rows) + 1) / 3.6e6
         return workload.trace_requests(rows, stretch=72.0 / span_h)
-    return workload.synthetic(workload.Profile.named("agent", sessions=job.sessions, hours=job.hours))
+    return sessions.synthetic(workload.Profile.named("agent", sessions=job.sessions, hours=job.hours))
 
 
 def policy_sizes() -> dict:
@@ -105,7 +105,8 @@ def run_job(job: Job, sizes_by_policy: dict) -> dict:
     """One simulation: a row of ``runs.parquet`` (and its samples when kept)."""
     import torch
 
-    from cluster.lab.simulate import SimConfig, simulate
+    from cluster.lab.sim_config import SimConfig
+    from cluster.lab.simulate import simulate
 
     torch.set_num_threads(1)
     sizes = sizes_by_policy[job.policy]

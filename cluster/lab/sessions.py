@@ -1,4 +1,4 @@
-"""The synthetic workload's sessions: the loop behind ``workload.synthetic``.
+"""The synthetic workload's sessions: the requests of a ``workload.Profile``'s sessions.
 
 A module of its own, without pydantic, so that ``cluster.lab.native`` compiles it
 with the simulator (a tenth of a scale-mode run's time is here). The profile it reads
@@ -83,7 +83,7 @@ def _zipf_table(n: int, s: float) -> np.ndarray:
     return np.cumsum(weights / weights.sum())
 
 
-def generate(profile: Profile) -> Iterator[Request]:
+def synthetic(profile: Profile) -> Iterator[Request]:
     """The requests of ``profile``'s sessions, in time order (seeded: the same profile
     gives the same stream)."""
     rng = np.random.default_rng(profile.seed)

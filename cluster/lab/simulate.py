@@ -27,152 +27,35 @@ code, no I/O). Both give the same counters on the same input (tested).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import itertools
-import json
 import math
 import struct
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
-
-import numpy as np
 
 from cluster.lab import checkpoints
-from cluster.lab.sizes import Sizes
+from cluster.lab.collector import collector_paused
+from cluster.lab.counts import Result, Sample, Totals
+from cluster.lab.request_table import RequestTable
+from cluster.lab.sim_config import SimConfig
 from cluster.lab.workload import CHUNK_TOKENS, Request, WindowId
 from storage.codec import HEADER_BYTES
 from storage.keys import Fingerprint, Kind, ObjectKey
-from storage.policy import RetentionPolicy, TierName
+from storage.policy import TierName
 from storage.store import StoreConfig, TieredStore
 from storage.sized import SizedPayload
 
 CHECKPOINT_SHARE = 0.02  # of a run's wall time, at most, spent writing checkpoints
 
 
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic GC off while the loop runs. The loop makes no reference cycles
-    (``test_the_loop_leaves_nothing_for_the_cyclic_collector``), and the store's
-    entries live for hours of virtual time: automatic full collections walked tens of
-    millions of live objects again and again (1.19x the run's time at 50,000 sessions),
-    and collecting the young generations every 100,000 requests still cost 3%.
-
-    On the way out, what the run made joins the oldest generation unscanned
-    (``gc.freeze`` then ``gc.unfreeze``): re-enabling the collector would otherwise walk
-    all of it at the next allocation (2.4 s of a 72 s run at 50,000 sessions). Skipped
-    where the process keeps frozen objects of its own, which ``unfreeze`` would release."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if gc.get_freeze_count() == 0:
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
-
-
 _KEY = struct.Struct("<qqq8x")
 # Enum members by attribute cost ~60 ns each: the loop's are looked up once.
 _CHUNK, _WINDOW, _RAM = Kind.CHUNK, Kind.WINDOW, TierName.RAM
-# The layout of a checkpoint (its rows: cluster.lab.checkpoints).
-CHECKPOINT_FORMAT = 2
 FINGERPRINT = Fingerprint(b"v41-cache-sim\x00\x00\x00")
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """The policy under test and how the simulation runs."""
-
-    sizes: Sizes
-    ram_bytes: int = 200 << 30
-    ssd_bytes: int | None = None  # None: as much as it needs
-    chunk_retention_hours: float = 72.0
-    window_ttl_minutes: float = 30.0
-    gc_interval_s: float = 600.0
-    mode: str = "scale"  # or "exact"
-    shrink: int = 1  # object sizes (and capacities) divided by this (exact mode keeps files small)
-    prefill_tokens_per_s: float = 20_000.0  # service time of a turn: prefill ...
-    decode_tokens_per_s: float = 50.0  # ... then the answer (a synthetic profile's rates: the same)
-    sample_every_s: float = 3600.0
-    hours: float | None = None  # stop after this much virtual time (None: the whole workload)
-    extents: bool = True  # False: one object per chunk, as the live store keeps them (slower; validate)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("exact", "scale"):
-            raise ValueError("mode must be 'exact' or 'scale'")
-        if self.shrink < 1:
-            raise ValueError("shrink must be at least 1")
-
-    def policy(self) -> RetentionPolicy:
-        return RetentionPolicy(
-            ram_capacity_bytes=self.ram_bytes // self.shrink, chunk_retention_hours=self.chunk_retention_hours,
-            window_ttl_minutes=self.window_ttl_minutes, persist_window_states=self.sizes.persist_windows,
-            ssd_capacity_bytes=None if self.ssd_bytes is None else self.ssd_bytes // self.shrink,
-            gc_interval_s=self.gc_interval_s)
-
-
-@dataclass
-class Totals:
-    """Counts over the whole run (tokens are prompt tokens)."""
-
-    requests: int = 0
-    input_tokens: int = 0
-    hit_tokens_ram: int = 0
-    hit_tokens_ssd: int = 0
-    requests_hit_ram: int = 0  # requests whose stored prefix came (partly) from RAM
-    requests_hit_ssd: int = 0
-    window_candidates: int = 0  # requests that continue a turn whose window state may be stored
-    window_hits_ram: int = 0
-    window_hits_ssd: int = 0
-    replays: int = 0  # stored prefix, no window state: the encoder replays the last window
-    prefill_tokens: int = 0
-    partial_extent_reads: int = 0
-    chunk_bytes_written: int = 0
-    window_bytes_written: int = 0
-
-    def rates(self) -> dict[str, float]:
-        tokens, requests = max(1, self.input_tokens), max(1, self.requests)
-        candidates = max(1, self.window_candidates)
-        return {
-            "hit_rate_ram": self.hit_tokens_ram / tokens, "hit_rate_ssd": self.hit_tokens_ssd / tokens,
-            "hit_rate": (self.hit_tokens_ram + self.hit_tokens_ssd) / tokens,
-            "request_hit_rate_ram": self.requests_hit_ram / requests,
-            "request_hit_rate_ssd": self.requests_hit_ssd / requests,
-            "window_hit_rate": (self.window_hits_ram + self.window_hits_ssd) / candidates,
-            "replay_rate": self.replays / requests,
-        }
-
-
-@dataclass
-class Sample:
-    """The tiers' contents at one virtual time."""
-
-    time_s: float
-    objects: dict[str, int]
-    bytes: dict[str, int]
-    requests: int
-    chunk_bytes_written: int
-    window_bytes_written: int
-
-
-@dataclass
-class Result:
-    config: dict
-    totals: Totals
-    rates: dict[str, float]
-    store: dict
-    samples: list[Sample] = field(default_factory=list)
-    virtual_s: float = 0.0
-    wall_s: float = 0.0
 
 
 class _Clock:
@@ -386,70 +269,19 @@ class Simulator:
         started = time.perf_counter()
         config = self.config
         limit = math.inf if config.hours is None else config.hours * 3600.0
-        restarts = sorted(restarts)
-        pending = self._pending  # turn ends: (time, order, request, chunks found, extents found)
+        times = sorted(restarts)
         if checkpoint is not None and Path(checkpoint).exists():
             self.load(checkpoint)
-            pending = self._pending
             requests = itertools.islice(requests, self._consumed, None)
         saved_at = time.perf_counter()
         every_s = checkpoint_every_s
-
-        def advance(until: float) -> None:
-            clock, turn_end, heappop = self.clock, self.turn_end, heapq.heappop
-            while True:
-                # The common event in a tight loop: turn ends up to the next restart (which
-                # goes first at the same time), GC or sample (which go after).
-                stop = min(until, self._next_gc, self._next_sample)
-                restart = restarts[0] if restarts else math.inf
-                while pending and pending[0][0] <= stop and pending[0][0] < restart:
-                    end, _, request, hit, found = heappop(pending)
-                    clock.now = max(clock.now, end)
-                    turn_end(request, hit, found)
-                t = min(pending[0][0] if pending else math.inf, self._next_gc, self._next_sample,
-                        restarts[0] if restarts else math.inf)
-                if t > until:
-                    return
-                self.clock.now = max(self.clock.now, t)
-                if restarts and restarts[0] == t:
-                    restarts.pop(0)
-                    self.restart()
-                elif pending and pending[0][0] == t:
-                    _, _, request, hit, found = heapq.heappop(pending)
-                    self.turn_end(request, hit, found)
-                elif t == self._next_gc:
-                    self.store.gc()
-                    self._next_gc += config.gc_interval_s
-                else:
-                    self.sample()
-                    self._next_sample += config.sample_every_s
-                    if progress is not None:
-                        progress(self.clock.now, self.totals.requests)
-
         with collector_paused():
             for request in requests:
                 if request.time_s > limit:
                     break
-                advance(request.time_s)
+                self._advance(request.time_s, times, progress)
                 self.clock.now = max(self.clock.now, request.time_s)
-                if table is None:
-                    hit, prefill, found = self.arrive(request)
-                else:
-                    totals = self.totals
-                    before = (totals.hit_tokens_ram, totals.hit_tokens_ssd, totals.window_hits_ram + totals.window_hits_ssd,
-                              totals.replays)
-                    hit, prefill, found = self.arrive(request)
-                    table.add(request, totals.hit_tokens_ram - before[0], totals.hit_tokens_ssd - before[1],
-                              totals.window_hits_ram + totals.window_hits_ssd > before[2], totals.replays > before[3],
-                              prefill)
-                if request.done_s is not None:
-                    end = max(request.done_s, request.time_s)
-                else:
-                    end = request.time_s + prefill / config.prefill_tokens_per_s + \
-                        request.output_tokens / config.decode_tokens_per_s
-                self._order += 1
-                self._consumed += 1
-                heapq.heappush(pending, (end, self._order, request, hit, found))
+                self._take(request, table)
                 if checkpoint is not None and time.perf_counter() - saved_at >= every_s:
                     self._wall_s += time.perf_counter() - started
                     started = time.perf_counter()
@@ -458,54 +290,101 @@ class Simulator:
                     # A big state takes long to write: keep the saves to a share of the run.
                     every_s = max(checkpoint_every_s, (saved_at - started) * (1 - CHECKPOINT_SHARE) / CHECKPOINT_SHARE)
             # The turns still running end; with --hours, the clock runs on to the limit (GC, samples).
-            advance(limit if config.hours is not None else max((p[0] for p in pending), default=self.clock.now))
+            pending = self._pending
+            self._advance(limit if config.hours is not None else max((p[0] for p in pending), default=self.clock.now),
+                          times, progress)
         self.sample()
-        stats = self.store.stats()
         if checkpoint is not None:
             Path(checkpoint).unlink(missing_ok=True)
+        return self._result(time.perf_counter() - started)
+
+    def _take(self, request: Request, table: RequestTable | None) -> None:
+        """A request arrives: its prefix and window state are looked up (its outcome goes
+        to ``table``), and its turn's end is queued."""
+        config = self.config
+        if table is None:
+            hit, prefill, found = self.arrive(request)
+        else:
+            totals = self.totals
+            before = (totals.hit_tokens_ram, totals.hit_tokens_ssd, totals.window_hits_ram + totals.window_hits_ssd,
+                      totals.replays)
+            hit, prefill, found = self.arrive(request)
+            table.add(request, totals.hit_tokens_ram - before[0], totals.hit_tokens_ssd - before[1],
+                      totals.window_hits_ram + totals.window_hits_ssd > before[2], totals.replays > before[3],
+                      prefill)
+        if request.done_s is not None:
+            end = max(request.done_s, request.time_s)
+        else:
+            end = request.time_s + prefill / config.prefill_tokens_per_s + \
+                request.output_tokens / config.decode_tokens_per_s
+        self._order += 1
+        self._consumed += 1
+        heapq.heappush(self._pending, (end, self._order, request, hit, found))
+
+    def _advance(self, until: float, restarts: list[float], progress: Callable[[float, int], None] | None) -> None:
+        """Every event up to ``until``: turn ends, restarts (popped from ``restarts``), GC, samples."""
+        config, pending = self.config, self._pending  # turn ends: (time, order, request, chunks found, extents found)
+        clock, turn_end, heappop = self.clock, self.turn_end, heapq.heappop
+        while True:
+            # The common event in a tight loop: turn ends up to the next restart (which
+            # goes first at the same time), GC or sample (which go after).
+            stop = min(until, self._next_gc, self._next_sample)
+            restart = restarts[0] if restarts else math.inf
+            while pending and pending[0][0] <= stop and pending[0][0] < restart:
+                end, _, request, hit, found = heappop(pending)
+                clock.now = max(clock.now, end)
+                turn_end(request, hit, found)
+            t = min(pending[0][0] if pending else math.inf, self._next_gc, self._next_sample,
+                    restarts[0] if restarts else math.inf)
+            if t > until:
+                return
+            clock.now = max(clock.now, t)
+            if restarts and restarts[0] == t:
+                restarts.pop(0)
+                self.restart()
+            elif pending and pending[0][0] == t:
+                _, _, request, hit, found = heappop(pending)
+                turn_end(request, hit, found)
+            elif t == self._next_gc:
+                self.store.gc()
+                self._next_gc += config.gc_interval_s
+            else:
+                self.sample()
+                self._next_sample += config.sample_every_s
+                if progress is not None:
+                    progress(clock.now, self.totals.requests)
+
+    def _result(self, wall_s: float) -> Result:
+        config, stats = self.config, self.store.stats()
         return Result(config={**{k: v for k, v in asdict(config).items() if k != "sizes"},
                               "sizes": config.sizes.as_dict()},
                       totals=self.totals, rates=self.totals.rates(),
                       store={"tiers": {tier: asdict(counters) for tier, counters in stats.tiers.items()},
                              "objects": stats.objects, "bytes_stored": stats.bytes_stored, "gc_runs": stats.gc_runs},
-                      samples=self.samples, virtual_s=self.clock.now,
-                      wall_s=self._wall_s + time.perf_counter() - started)
+                      samples=self.samples, virtual_s=self.clock.now, wall_s=self._wall_s + wall_s)
 
     # -- checkpoints (scale mode) --------------------------------------------------------
 
     def save(self, path: Path) -> None:
-        """Write the whole state to ``path`` (an .npz: arrays and JSON, no pickle), atomically.
-        The stored objects and extents are streamed into it ``checkpoints.ROWS_PER_WRITE`` at a time:
-        a save of tens of millions of them adds megabytes to the process, not gigabytes."""
+        """Write the whole state to ``path`` (:func:`checkpoints.save`), atomically. The
+        stored objects and extents are streamed into it ``checkpoints.ROWS_PER_WRITE`` at
+        a time: a save of tens of millions of them adds megabytes to the process, not
+        gigabytes."""
         state = self.store.sized_state()
         tiers = {tier: state.pop(tier) for tier in ("ram", "ssd")}
-        meta = {"format": CHECKPOINT_FORMAT, "config": self._config_fingerprint(), "store": state,
+        meta = {"config": self._config_fingerprint(), "store": state,
                 "clock": self.clock.now, "totals": asdict(self.totals), "samples": [asdict(s) for s in self.samples],
-                "pending": [(t, order, _request_fields(r), hit, found) for t, order, r, hit, found in self._pending],
+                "pending": [(t, order, checkpoints.request_fields(r), hit, found)
+                            for t, order, r, hit, found in self._pending],
                 "next_gc": self._next_gc, "next_sample": self._next_sample, "order": self._order,
                 "consumed": self._consumed, "wall_s": self._wall_s}
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-            with archive.open("meta.npy", "w", force_zip64=True) as out:
-                np.lib.format.write_array(out, np.array(json.dumps(meta)))
-            for tier, (count, rows) in tiers.items():
-                checkpoints.write_rows(archive, tier, checkpoints.STORED_DTYPE, (count,), rows, checkpoints.STORED_ROW)
-            extents = sum(len(spans) for spans in self._extents.values())
-            checkpoints.write_rows(archive, "extents", checkpoints.EXTENT_DTYPE, (extents, 3),
-                                   ((owner, first, end) for owner, spans in self._extents.items()
-                                    for first, (end, _) in spans.items()), checkpoints.EXTENT_ROW)
-        tmp.replace(path)
+        extents = sum(len(spans) for spans in self._extents.values())
+        checkpoints.save(path, meta, tiers, (extents, ((owner, first, end) for owner, spans in self._extents.items()
+                                                       for first, (end, _) in spans.items())))
 
     def load(self, path: Path) -> None:
         """Take back the state :meth:`save` wrote (into a fresh simulator of the same config)."""
-        with np.load(path, allow_pickle=False) as data:
-            meta = json.loads(str(data["meta"]))
-            if meta.get("format") != CHECKPOINT_FORMAT:
-                raise ValueError(f"the checkpoint {path} was written by another version of the simulator "
-                                 "(remove it to start the run over)")
-            if meta["config"] != self._config_fingerprint():
-                raise ValueError(f"the checkpoint {path} was written by a run with other settings")
+        with checkpoints.opened(path, self._config_fingerprint()) as (meta, data):
             state = meta["store"]
             state.update(ram=checkpoints.stored_rows(data["ram"]), ssd=checkpoints.stored_rows(data["ssd"]))
             self.store.restore_sized(state)
@@ -515,7 +394,7 @@ class Simulator:
         self.clock.now = meta["clock"]
         self.totals = Totals(**meta["totals"])
         self.samples = [Sample(**s) for s in meta["samples"]]
-        self._pending = [(t, order, _request_of(r), hit, [tuple(f) for f in found])
+        self._pending = [(t, order, checkpoints.request_of(r), hit, [tuple(f) for f in found])
                          for t, order, r, hit, found in meta["pending"]]
         heapq.heapify(self._pending)
         self._next_gc, self._next_sample = meta["next_gc"], meta["next_sample"]
@@ -534,58 +413,6 @@ class Simulator:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class RequestTable:
-    """Each request's outcome, written to a Parquet file in row groups (pyarrow):
-    arrival, session, prompt and answer tokens, tokens found in RAM and on SSD, whether
-    its window state was found, whether the encoder replayed, tokens prefilled."""
-
-    COLUMNS = ("time_s", "session", "input_tokens", "output_tokens", "hit_tokens_ram", "hit_tokens_ssd",
-               "window_hit", "replay", "prefill_tokens")
-
-    def __init__(self, path: Path, rows_per_group: int = 1 << 20) -> None:
-        self.path, self.rows_per_group = Path(path), rows_per_group
-        self._columns: dict[str, list] = {name: [] for name in self.COLUMNS}
-        self._writer: Any = None  # a pyarrow.parquet.ParquetWriter once the first group is written
-        self.rows = 0
-
-    def add(self, request: Request, hit_ram: int, hit_ssd: int, window_hit: bool, replay: bool, prefill: int) -> None:
-        c = self._columns
-        for name, value in zip(self.COLUMNS, (request.time_s, request.session, request.input_tokens,
-                                              request.output_tokens, hit_ram, hit_ssd, window_hit, replay, prefill)):
-            c[name].append(value)
-        self.rows += 1
-        if len(c["time_s"]) >= self.rows_per_group:
-            self._flush()
-
-    def _flush(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        batch = pa.table(self._columns)
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(self.path, batch.schema)
-        self._writer.write_table(batch)
-        self._columns = {name: [] for name in self.COLUMNS}
-
-    def close(self) -> None:
-        if self._columns["time_s"] or self._writer is None:
-            self._flush()
-        self._writer.close()
-
-
-def _request_fields(request: Request) -> dict:
-    return request._asdict()
-
-
-def _request_of(fields: dict) -> Request:
-    def runs(value):
-        return tuple(tuple(run) for run in value)
-
-    return Request(**{**fields, "runs": runs(fields["runs"]), "after": runs(fields["after"]),
-                      "window": None if fields["window"] is None else tuple(fields["window"]),
-                      "resume": None if fields["resume"] is None else tuple(fields["resume"])})
 
 
 def simulate(config: SimConfig, requests: Iterable[Request], progress=None, restarts: Iterable[float] = (),

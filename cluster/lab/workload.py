@@ -12,12 +12,12 @@ million sessions is never held in memory.
   ``stretch`` (timestamps x k) and ``tile`` (n copies one after another, fresh block ids
   except the shared roots: block ids that start more than one request, like a system
   prompt, stay shared across copies).
-- :func:`synthetic` draws sessions from a :class:`Profile` (``chat``, ``agent``,
-  ``mixed``, or any JSON/YAML file of its fields): arrivals with a daily cycle, a
-  lognormal number of turns, a prompt that grows by each answer and the next message,
-  gaps of seconds (tool calls) or minutes (people), returns after hours (some past 72 h),
-  shared system prompts drawn from a Zipf law, and forks (a turn that continues an
-  earlier point of its session).
+- :func:`cluster.lab.sessions.synthetic` draws sessions from a :class:`Profile`
+  (``chat``, ``agent``, ``mixed``, or any JSON/YAML file of its fields): arrivals with
+  a daily cycle, a lognormal number of turns, a prompt that grows by each answer and
+  the next message, gaps of seconds (tool calls) or minutes (people), returns after
+  hours (some past 72 h), shared system prompts drawn from a Zipf law, and forks (a
+  turn that continues an earlier point of its session).
 """
 
 from __future__ import annotations
@@ -191,11 +191,3 @@ PROFILES: dict[str, dict] = {
               "output_tokens": {"median": 150, "sigma": 0.9}, "return_share": 0.02, "fork_share": 0.05},
     "mixed": {"tool_share": 0.5, "turns": {"median": 8, "sigma": 1.0}, "return_share": 0.06},
 }
-
-
-def synthetic(profile: Profile) -> Iterator[Request]:
-    """The requests of ``profile``'s sessions, in time order (seeded: the same profile
-    gives the same stream). The loop is in :mod:`cluster.lab.sessions`."""
-    from cluster.lab.sessions import generate
-
-    return generate(profile)

@@ -4,7 +4,7 @@
 deployments with ``.bind()``; ``serve run cluster.serving.app:build_app`` and the YAML
 configs in ``configs/`` use it. The deployments live beside the logic they run:
 :class:`actors.prefill.PrefillPool`, :class:`actors.decoder.DecoderPool`,
-:class:`cluster.serving.router.Router`.
+:class:`cluster.serving.ingress.Router`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from actors.decoder import DecoderPool
 from actors.prefill import PrefillPool
 from actors.config import AppConfig
-from cluster.serving.router import Router
+from cluster.serving.ingress import Router
 from cluster.serving.routing import request_router_config
 
 

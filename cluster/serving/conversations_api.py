@@ -19,10 +19,20 @@ import time
 
 from pydantic import Field
 
-from cluster.serving.openai_api import ApiError, _Schema, _validated
 # (``encoded``: a conversation's bytes in the store are JSON, as a stored response's)
-from cluster.serving.responses_api import (  # noqa: F401
-    _ITEMS, _TAGS, Metadata, _id, _Item, distinct, encoded, identified, items_page, listed)
+from cluster.serving.response_items import (
+    ITEMS,
+    TAGS,
+    Item,
+    Metadata,
+    distinct,
+    encoded,
+    identified,
+    item_id,
+    items_page,
+    listed,
+)
+from cluster.serving.validation import ApiError, Schema, validated
 
 MAX_NEW_ITEMS = 20  # items one request may add (OpenAI's limit)
 # Items one conversation holds: each change rewrites the conversation's record whole.
@@ -30,33 +40,33 @@ MAX_ITEMS = 10_000
 
 
 
-class ConversationCreate(_Schema):
+class ConversationCreate(Schema):
     """``POST /v1/conversations``. ``safety_identifier`` is accepted and unused (a tag)."""
 
-    items: list[_Item] | None = Field(default=None, max_length=MAX_NEW_ITEMS)
+    items: list[Item] | None = Field(default=None, max_length=MAX_NEW_ITEMS)
     metadata: Metadata | None = None
     safety_identifier: str | None = None
 
 
-class ConversationUpdate(_Schema):
+class ConversationUpdate(Schema):
     """``POST /v1/conversations/{id}``: its metadata, replaced."""
 
     metadata: Metadata | None
 
 
-class ItemsCreate(_Schema):
+class ItemsCreate(Schema):
     """``POST /v1/conversations/{id}/items``."""
 
-    items: list[_Item] = Field(min_length=1, max_length=MAX_NEW_ITEMS)
+    items: list[Item] = Field(min_length=1, max_length=MAX_NEW_ITEMS)
 
 
 def conversation_id() -> str:
-    return _id("conv")
+    return item_id("conv")
 
 
 def created(data: dict, now: float | None = None) -> dict:
     """A new conversation's record, or a 400 naming the parameter at fault."""
-    request = _validated(ConversationCreate, data, tags=_TAGS)
+    request = validated(ConversationCreate, data, tags=TAGS)
     conversation = {"id": conversation_id(), "object": "conversation",
                     "created_at": int(time.time() if now is None else now), "metadata": request.metadata or {}}
     items = identified(data["items"], request.items) if request.items else []
@@ -66,13 +76,13 @@ def created(data: dict, now: float | None = None) -> dict:
 
 def updated(record: dict, data: dict) -> dict:
     """The record with the metadata of an update request."""
-    request = _validated(ConversationUpdate, data)
+    request = validated(ConversationUpdate, data)
     return _changed(record, conversation={**record["conversation"], "metadata": request.metadata or {}})
 
 
 def new_items(data: dict) -> list[dict]:
     """The items of an items-create request, each with an id."""
-    request = _validated(ItemsCreate, data, tags=_TAGS)
+    request = validated(ItemsCreate, data, tags=TAGS)
     return identified(data["items"], request.items)
 
 
@@ -132,7 +142,7 @@ def read(payload: bytes | None, cid: str) -> dict | None:
                 and isinstance(conversation.get("metadata"), dict) and isinstance(conversation.get("created_at"), int)
                 and isinstance(items, list) and type(version) is int and version >= 1):
             return None
-        _ITEMS.validate_python(items)
+        ITEMS.validate_python(items)
     except (ValueError, KeyError, TypeError):  # (pydantic's ValidationError is a ValueError)
         return None
     return data

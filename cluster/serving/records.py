@@ -6,7 +6,7 @@ indexed in Redis, so any node's router finds it (its own store first, then the n
 the index names).
 
 - A response never changes once written. The router answers a next turn naming one it
-  wrote lately from memory (:class:`~cluster.serving.responses_api.RecentRecords`) and stores it
+  wrote lately from memory (:class:`RecentRecords`) and stores it
   while the client reads the answer; a delete waits for a pending store.
 - A conversation changes (items are added and deleted, its metadata replaced), so it is
   never read from memory. Every change is a new version: read the newest copy, change
@@ -22,16 +22,50 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from cluster.serving import conversations_api, responses_api
-from cluster.serving.openai_api import ApiError
+from cluster.serving import conversations_api
+from cluster.serving.response_items import encoded, read_record
+from cluster.serving.validation import ApiError
 from storage.keys import ObjectKey, conversation_key, response_key
 
 logger = logging.getLogger(__name__)
 
 LOCK_S = 30.0  # a conversation's Redis lock expires after this (a router that died holding it)
 LOCK_WAIT_S = 10.0  # a change waits this long for another router's, then is a 409
+
+
+class RecentRecords:
+    """The records of the latest stored responses by id, up to ``capacity`` bytes of
+    their JSON, least recently used out first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._records: OrderedDict[str, tuple[dict, int]] = OrderedDict()
+        self._bytes = 0
+
+    def put(self, rid: str, stored: dict, size: int) -> None:
+        self.pop(rid)
+        self._records[rid] = (stored, size)
+        self._bytes += size
+        while self._bytes > self.capacity:
+            self._bytes -= self._records.popitem(last=False)[1][1]
+
+    def get(self, rid: str) -> dict | None:
+        found = self._records.get(rid)
+        if found is None:
+            return None
+        self._records.move_to_end(rid)
+        return found[0]
+
+    def pop(self, rid: str) -> None:
+        found = self._records.pop(rid, None)
+        if found is not None:
+            self._bytes -= found[1]
+
+    def __len__(self) -> int:
+        return len(self._records)
 
 
 class Records:
@@ -48,7 +82,7 @@ class Records:
         self.index, self.link = index, link
         self._store = None
         # Responses this router wrote lately: a next turn naming one reads it here.
-        self.kept = responses_api.RecentRecords(memory_bytes)
+        self.kept = RecentRecords(memory_bytes)
         self._keeping: dict[str, asyncio.Task] = {}  # responses whose store has not answered yet
         self._turns: dict[str, list] = {}  # conversations being changed here
 
@@ -92,17 +126,17 @@ class Records:
         if found is not None:
             return found
         key = response_key(rid)
-        if (found := responses_api.read_record(await self._get(await self.node_store(), key))) is not None:
+        if (found := read_record(await self._get(await self.node_store(), key))) is not None:
             return found
         for peer in await asyncio.to_thread(self._peers, key):
-            if (found := responses_api.read_record(await self._get(peer, key))) is not None:
+            if (found := read_record(await self._get(peer, key))) is not None:
                 return found
         return None
 
     async def keep_response(self, rid: str, stored: dict) -> None:
         """Keep a response's record in memory, and store and index it in this node's
         store while the client gets the answer."""
-        payload = responses_api.encoded(stored)
+        payload = encoded(stored)
         self.kept.put(rid, stored, len(payload))
         store = await self.node_store()
         if store is None:

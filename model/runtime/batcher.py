@@ -26,13 +26,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..chat import Tokenizer
+from ..tokenizer import Tokenizer
 from .cache import SequenceCache
-from .engine import DecoderInput, Engine
+from .engine import Engine
 from .grammar import Constraint, GrammarCompiler, apply_masks
+from .inputs import DecoderInput
+from .prefix_scheduler import MODES, StepCost, VerifyRecord, schedule
 from .sampling import SamplingParams, StopChecker, make_generator, sample, shape_logits
 from .sequence import Sequence, TokenEvent
-from .speculative import MODES, SpecMetrics, SpeculativeDrafter, StepCost, VerifyRecord, accept_tokens, schedule
+from .speculative import SpecMetrics, SpeculativeDrafter, accept_tokens
 
 __all__ = ["Batcher", "Speculation", "TokenEvent", "generate"]
 

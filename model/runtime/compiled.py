@@ -15,7 +15,7 @@ pools and encodes a Full layer's groups completed in the step, and a sixth is a 
 drafter layer's attention (each request's block over its drafter context and its own
 window entries: one call instead of ~40 eager ops, 0.8 ms of a 2.9 ms draft at batch
 1). What reads the caches between them (window places, the indexer's scores and top-k,
-the gathers) stays eager, in :class:`model.runtime.engine.Engine`.
+the gathers) stays eager, in :class:`model.runtime.gather.CachedKeys`.
 
 By default (``mode="aot"``) each function is built ahead of time by AOTInductor into a
 package kept on disk (:mod:`model.runtime.aot`), one per signature: a call then costs
@@ -142,7 +142,7 @@ def _pool_groups(rows, cos, sin, wkv, wgate, norm, ratio: int, eps: float, wk, k
 
 def _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_groups: int):
     """Each token's attention over its own keys [N, T, hd] (mask [N, T]), projected out: [N, D]."""
-    out = attention.attend(q[0, :, None], keys, mask[:, None], sink, scaling)[:, 0]
+    out = attention.attend_each(q[0], keys, mask, sink, scaling)
     return attention.output(out[None], cos, sin, wo_a, wo_b, o_groups)[0]
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..chat import IncrementalDetokenizer
+from ..tokenizer import IncrementalDetokenizer
 from .cache import SequenceCache
 from .sampling import SamplingParams, StopChecker, token_logprobs
 from .grammar import Constraint

@@ -8,20 +8,23 @@ every layer, the hidden states of incomplete pooling groups, the Engram n-gram
 context, and the long-range rows past the last whole chunk — is one window-state
 object (short-lived: host RAM only in V4.1).
 
-Every object is ``header | payload``: a versioned layout header, then raw rows in the
-cache formats and little-endian integers (nothing is unpickled). The 40-byte header
+Every object is ``header | payload``: a layout header, then raw rows in the cache
+formats and little-endian integers (nothing is unpickled). The 32-byte header
 (little-endian)::
 
-    0   4  magic b"V41S"          4   2  layout version       6   1  kind (1 chunk, 2 window)
-    7   1  reserved               8  16  layout fingerprint  24  8  first token position
-    32  8  tokens covered
+     0  16  layout fingerprint (the layout version and every choice of the cache bytes)
+    16   8  first token position
+    24   8  tokens covered
 
-Integrity and identity are the store's: every object that rests in a storage tier is
-sealed by :mod:`storage.codec` (XXH3 of the payload, the model fingerprint, the
-object's key), which turns a torn or foreign object into a miss before it gets here.
-This layer checks what only it can: the layout version and fingerprint, the kind,
-the positions, and that the payload holds exactly its contents; any mismatch raises
-:class:`StateError`, which callers treat as a cache miss.
+It is not an envelope. Integrity and identity are the store's: every object that
+rests in a storage tier is sealed by :mod:`storage.codec` (magic, format version,
+kind, the model fingerprint, the object's key, an XXH3 of the payload), which turns
+a torn, foreign or misnamed object into a miss before it gets here. This layer
+checks what only it knows: that the bytes are in this layout, at these positions,
+and that the payload holds exactly its contents; any mismatch raises
+:class:`StateError`, which callers treat as a cache miss. (A window state handed
+from a prefill to a decoder replica crosses no tier: it is always a window state,
+and the layout fingerprint still binds it to the layout.)
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ from ..config import TextConfig
 from ..formats import COMPRESSED_KV, INDEXER_KEY, WINDOW_KV
 from .cache import PackedRows, SequenceCache
 
-MAGIC = b"V41S"
-FORMAT_VERSION = 2  # 1 also carried checksums and the model's identity (the store's now)
-CHUNK, WINDOW = 1, 2
-_HEADER = struct.Struct("<4sHBx16sqq")
-HEADER_BYTES = _HEADER.size  # 40
+# Versions the byte layout; hashed into the layout fingerprint. 1 and 2 began with
+# their own envelope (magic, version, kind; 1 also checksums and the model's identity).
+LAYOUT_VERSION = 3
+_HEADER = struct.Struct("<16sqq")
+HEADER_BYTES = _HEADER.size  # 32
 
 
 class StateError(ValueError):
@@ -72,9 +75,11 @@ class StateIdentity:
 
 
 def layout_fingerprint(config: TextConfig) -> bytes:
-    """A digest of every choice that decides the cache bytes: formats, widths, sources."""
+    """A digest of every choice that decides the cache bytes: the layout version,
+    formats, widths, sources."""
     sources = [(p.index, p.compress_ratio) for p in config.layer_plans() if p.is_kv_source]
     description = {
+        "version": LAYOUT_VERSION,
         **{name: [f.element, f.block, f.scale] for name, f in (
             ("window", WINDOW_KV.for_width(config.head_dim)),
             ("entries", COMPRESSED_KV.for_width(config.head_dim)),
@@ -98,24 +103,20 @@ def chunk_granularity(config: TextConfig) -> int:
     return math.lcm(*ratios, *block) if ratios or block else 1
 
 
-# ---------------------------------------------------------------------- envelope
+# ---------------------------------------------------------------------- layout header
 
 
-def _seal(kind: int, identity: StateIdentity, start: int, tokens: int, payload: bytes) -> bytes:
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, kind, identity.layout, start, tokens) + payload
+def _with_header(identity: StateIdentity, start: int, tokens: int, payload: bytes) -> bytes:
+    return _HEADER.pack(identity.layout, start, tokens) + payload
 
 
-def _open(blob: bytes, kind: int, identity: StateIdentity) -> tuple[int, int, memoryview]:
-    """Check an object's header; returns (first position, tokens, payload). The payload's
-    readers check that it holds exactly its contents."""
+def _read_header(blob: bytes, identity: StateIdentity) -> tuple[int, int, memoryview]:
+    """Check an object's layout header; returns (first position, tokens, payload). The
+    payload's readers check that it holds exactly its contents."""
     if len(blob) < HEADER_BYTES:
         raise StateError("truncated header")
     view = memoryview(blob)
-    magic, version, got_kind, layout, start, tokens = _HEADER.unpack_from(view)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise StateError(f"not a v{FORMAT_VERSION} state object")
-    if got_kind != kind:
-        raise StateError(f"expected object kind {kind}, found {got_kind}")
+    layout, start, tokens = _HEADER.unpack_from(view)
     if layout != identity.layout:
         raise StateError("state of another cache layout")
     if start < 0 or tokens < 0:
@@ -171,7 +172,7 @@ def chunk_to_bytes(cache: SequenceCache, start: int, tokens: int, identity: Stat
             if rows.n < hi:
                 raise ValueError(f"layer {source} holds {rows.n} entries, the chunk needs {hi}")
             parts.append(rows.data[lo:hi].contiguous().numpy().tobytes())
-    return _seal(CHUNK, identity, start, tokens, b"".join(parts))
+    return _with_header(identity, start, tokens, b"".join(parts))
 
 
 def load_chunk(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> None:
@@ -228,7 +229,7 @@ def _parse_chunk(layout, blob: bytes, identity: StateIdentity, length: int,
     """A chunk's token count and the bytes of its rows per row store (views into
     ``blob``), checked against a cache of ``length`` tokens whose stores hold
     ``counts`` rows; changes nothing."""
-    start, tokens, payload = _open(blob, CHUNK, identity)
+    start, tokens, payload = _read_header(blob, identity)
     if start != length:
         raise StateError(f"chunk starts at {start}, the cache ends at {length}")
     reader, parts = _Reader(payload), []
@@ -263,7 +264,7 @@ def window_to_bytes(cache: SequenceCache, chunked: int, identity: StateIdentity)
         parts.append(pending.cpu().numpy().tobytes())
     tail = [] if cache.ngram is None else cache.ngram.tail.flatten().tolist()
     parts.append(struct.pack(f"<q{len(tail)}q", len(tail), *tail))
-    return _seal(WINDOW, identity, chunked, cache.length - chunked, b"".join(parts))
+    return _with_header(identity, chunked, cache.length - chunked, b"".join(parts))
 
 
 def load_window(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> None:
@@ -274,7 +275,7 @@ def load_window(cache: SequenceCache, blob: bytes, identity: StateIdentity) -> N
     from ..engram import NgramContext
     from .cache import PackedRows, Window
 
-    chunked, tokens, payload = _open(blob, WINDOW, identity)
+    chunked, tokens, payload = _read_header(blob, identity)
     if chunked != cache.length:
         raise StateError(f"window state follows token {chunked}, the cache ends at {cache.length}")
     reader = _Reader(payload)

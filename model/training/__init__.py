@@ -2,8 +2,9 @@
 
 The reference forward (:meth:`model.transformer.Transformer.forward`) runs under
 ``no_grad`` and its fake-quantisation steps have no gradient. :func:`train_forward`
-runs the same orchestration over the same module methods, with three differences that
-training needs and that leave the forward values unchanged:
+runs the same block loop (:func:`model.transformer.run_blocks`) over the same module
+methods, its attention reading its keys as :class:`TrainingKeys` says, with three
+differences that training needs and that leave the forward values unchanged:
 
 - **Quantisation-aware (straight-through).** Every value the released format rounds is
   rounded in the forward and passed through unchanged in the backward
@@ -48,15 +49,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats
-from ..attention import CSA2Attention, candidate_blocks, top_k, visible_entries
+from ..attention import CSA2Attention, select_entries, visible_entries
 from ..config import AttentionMode
 from ..formats import COMPRESSED_KV, ENGRAM_ROW, INDEXER_KEY, WINDOW_KV
-from ..transformer import Transformer, init_module
+from ..transformer import Transformer, init_module, run_blocks
 
 __all__ = [
     "Muon",
     "ReplayStarts",
     "TrainOutput",
+    "TrainingKeys",
     "attention_target",
     "backbone_step",
     "balance_routers",
@@ -70,7 +72,6 @@ __all__ = [
     "newton_schulz",
     "quantised_weight_names",
     "set_lr",
-    "sparse_attend",
     "straight_through",
     "train_forward",
 ]
@@ -154,27 +155,39 @@ class _Forward(nn.Module):
         device = input_ids.device
         streams, pre = model.streams_of(model.input_embeddings(input_ids, image_mask, image_embeds))
         positions = torch.arange(length, device=device).expand(batch, length)
-        rows = {}
-        for block in model.layers:
-            if block.engram is not None:
-                r = block.engram.lookup(engram_ids[:, :, block.engram_table])
-                rows[block.plan.index] = _ste(r, ENGRAM_ROW) if quantize_rows else r
-        memory: dict = {}
-        losses, kls = [], {}
-        for block in model.layers:
-            starts = replay.decoder if block.plan.half == "decoder" else replay.encoder
-
-            def attend(x, block=block, starts=starts):
-                out, kl = _attention(model, block.attn, x, positions, memory, starts, quantize)
-                if kl is not None:
-                    losses.append(kl)
-                    kls[block.plan.index] = float(kl.detach())
-                return out
-
-            streams, pre = block(streams, pre, attend, rows.get(block.plan.index), image_mask)
+        rows = model.engram_rows(engram_ids)
+        if quantize_rows:
+            rows = {layer: _ste(r, ENGRAM_ROW) for layer, r in rows.items()}
+        keys = TrainingKeys(model, positions, replay, quantize)
+        streams, pre = run_blocks(model.layers, streams, pre, keys, rows, image_mask)
         logits = model.head(streams, pre)
-        indexer_loss = torch.stack(losses).sum() if losses else logits.new_zeros(())
-        return TrainOutput(logits, indexer_loss, kls)
+        indexer_loss = torch.stack(keys.losses).sum() if keys.losses else logits.new_zeros(())
+        return TrainOutput(logits, indexer_loss, keys.kls)
+
+
+@dataclass
+class TrainingKeys:
+    """Training's :class:`~model.transformer.Keys`: the whole sequences at ``positions``
+    [B, S], each query's places gathered (:func:`_attention`), straight-through rounded
+    when ``quantize``, with the ``replay`` cuts of each half's windows; the long-range
+    state its layers publish is ``memory``. Collects each indexer's distillation loss
+    (``losses``, and ``kls`` as floats by layer)."""
+
+    model: Transformer
+    positions: torch.Tensor
+    replay: ReplayStarts
+    quantize: bool
+    memory: dict = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    kls: dict[int, float] = field(default_factory=dict)
+
+    def attend(self, block, x: torch.Tensor) -> torch.Tensor:
+        starts = self.replay.decoder if block.plan.half == "decoder" else self.replay.encoder
+        out, kl = _attention(self.model, block.attn, x, self.positions, self.memory, starts, self.quantize)
+        if kl is not None:
+            self.losses.append(kl)
+            self.kls[block.plan.index] = float(kl.detach())
+        return out
 
 
 def _attention(model: Transformer, attn: CSA2Attention, x, positions, memory: dict, starts, quantize):
@@ -199,7 +212,7 @@ def _attention(model: Transformer, attn: CSA2Attention, x, positions, memory: di
     win_valid = (win_pos >= 0) & ~((positions.unsqueeze(-1) >= s) & (win_pos < s))
     kl = None
     if plan.mode is AttentionMode.WINDOW:
-        return attn.output(sparse_attend(attn, q, win_keys, win_valid), cos, sin), kl
+        return attn.output(attn.attend(q, win_keys, win_valid), cos, sin), kl
     ratio, source = plan.compress_ratio, plan.kv_source
     if plan.mode is AttentionMode.FULL:
         entries, index_keys = attn.compress(x, positions, model.rotary["compress"])
@@ -212,33 +225,17 @@ def _attention(model: Transformer, attn: CSA2Attention, x, positions, memory: di
         quantize_q = (lambda q: _ste(q, INDEXER_KEY)) if quantize else (lambda q: q)
         scores = attn.indexer.scores(x.detach(), q_residual.detach(), cos, sin, index_keys, quantize_q)
         with torch.no_grad():
-            picking = scores.detach().masked_fill(~visible, float("-inf"))
-            if plan.is_candidate_source:
-                n_visible = (positions + 1) // ratio
-                memory["candidates"] = candidate_blocks(
-                    picking, n_visible, config.candidate_topk_blocks, config.candidate_block_size
-                )
-            elif plan.candidate_source is not None:
-                picking = picking.masked_fill(~memory["candidates"], float("-inf"))
-            top, values = top_k(picking, config.index_topk)
-            memory[("picks", plan.index)] = (top, values > float("-inf"))
+            chosen = select_entries(scores.detach(), (positions + 1) // ratio, config.index_topk, plan, config,
+                                    memory.get("candidates"))
+            if chosen.pool is not None:
+                memory["candidates"] = chosen.pool
+            memory[("picks", plan.index)] = (chosen.index, chosen.valid)
         kl = indexer_kl(scores, attention_target(attn, q.detach(), entries.detach(), visible), visible)
     index, valid = memory[("picks", plan.index_source)]
     batch = torch.arange(entries.shape[0], device=x.device).view(-1, 1, 1)
     picked = entries[batch, index]  # [B, S, k, hd]
-    out = sparse_attend(attn, q, torch.cat((win_keys, picked), dim=2), torch.cat((win_valid, valid), dim=-1))
+    out = attn.attend(q, torch.cat((win_keys, picked), dim=2), torch.cat((win_valid, valid), dim=-1))
     return attn.output(out, cos, sin), kl
-
-
-def sparse_attend(attn: CSA2Attention, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """:meth:`CSA2Attention.attend` over gathered places: ``q`` [B, S, H, hd], ``keys``
-    [B, S, P, hd] (keys and values of each query's own places), ``valid`` [B, S, P]."""
-    logits = torch.einsum("bshd,bspd->bhsp", q.float(), keys.float()) * attn.scaling
-    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    sink = attn.attn_sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
-    combined = torch.cat((logits, sink), dim=-1)
-    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True).detach(), dim=-1)[..., :-1]
-    return torch.einsum("bhsp,bspd->bshd", probs, keys.float()).to(q.dtype)
 
 
 @torch.no_grad()

@@ -1,0 +1,90 @@
+"""What a decoder replica's stream tells the router: typed events.
+
+A request's stream is its tokens in order, each a :class:`Token`. The first carries
+its :class:`Admission` (how the prompt was encoded and admitted: one stream item fewer
+than a separate event); the last carries, when the replica is storing the
+conversation, a :class:`Storing` that names the objects (and where the conversation is
+kept in memory for its next turn), and the stream's one event after it is
+:class:`Stored`, when the store answered. A failure is raised through the stream (Ray
+carries the exception), never sent as an event.
+
+The events cross Ray's object store between the decoder replica and the router, so they
+are plain frozen dataclasses (they pickle). The decoder (:mod:`actors.decoder`) writes
+them; the router (:mod:`cluster.serving.answers`, :mod:`cluster.serving.planner`) reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.runtime.batcher import TokenEvent
+from storage.keys import ObjectKey
+
+from .state import StoringConversation
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How a request's first token came to be: the prompt's length and how much of it
+    was read from the cache, the replicas' own compute (prefill, replay, first sample),
+    the trip's marks (Unix seconds by name: ``prefill_in``, ``decode_out``, ...), who
+    encoded the prompt (``pool``, ``decoder``, ``resident``), the bytes moved between
+    nodes for it, and the decoder replica's node."""
+
+    cached_tokens: int
+    prompt_tokens: int
+    replica_s: float
+    timeline: dict[str, float]
+    prefilled_by: str
+    moved_bytes: int
+    node: str
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A finished conversation a decoder replica keeps in memory for its next turn
+    (:mod:`actors.resident`): its name (its window state's), the replica (Serve's id for
+    it) and the replica's node."""
+
+    key: ObjectKey
+    replica: str
+    node: str
+
+
+@dataclass(frozen=True)
+class Storing:
+    """The conversation a request's last token ended, being stored; ``kept``: where it
+    is also kept in memory (None: nowhere)."""
+
+    conversation: StoringConversation
+    kept: Kept | None = None
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token. ``finish_reason`` is set on the request's last;
+    ``admission`` on its first; ``storing`` on its last when the conversation is
+    being stored (the stream's next event is then :class:`Stored`)."""
+
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    admission: Admission | None = None
+    storing: Storing | None = None
+
+    @classmethod
+    def of(cls, event: TokenEvent, admission: Admission | None = None, storing: Storing | None = None) -> Token:
+        """The batcher's event as the stream sends it."""
+        return cls(event.token_id, event.text, event.finish_reason, event.logprob, event.top_logprobs, admission,
+                   storing)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """The store answered for the conversation a request's last token named: when
+    (Unix seconds), and whether it took it in time."""
+
+    at: float
+    stored: bool

@@ -1,0 +1,321 @@
+"""Where the engine's attention reads its keys: places gathered from each sequence's caches.
+
+Attention reads exactly the places it is allowed: for each new token, its window (at
+most ``sliding_window`` entries) and the ``index_topk`` long-range entries its
+indexer picked, gathered from the cache; the indexer scans the keys (Reindex layers
+only the candidate pool). Tokens of all sequences in a step are flattened into one
+batch for the projections and the attention itself (:class:`CachedKeys`, the
+engine's :class:`~model.transformer.Keys`); the cache reads (window places, pooling,
+the indexer, the gathers) run once over the padded batch in steps of a few tokens per
+sequence (:class:`Layout`), and per sequence otherwise (long prompts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import attend_each, candidate_entries, select_entries
+from ..config import AttentionMode
+from ..transformer import Block, Transformer
+from .cache import Window
+from .long_range import Segment, pool_groups
+
+
+def rows_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for a table [E, d] and an index of any shape, one row copy per
+    index (``index_select``). Advanced indexing on CPU copies element by element: at a
+    batch-16 step's sizes it was 3.5-7x slower, and a padded verify step spent more
+    time in it than in its matmuls."""
+    return table.index_select(0, index.reshape(-1)).view(*index.shape, table.shape[-1])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The N tokens of a step whose cache reads are batched over its b sequences.
+
+    The indexer scores each sequence's queries against that sequence's keys, shared
+    by its tokens: queries laid out [b, n], each sequence's tokens from its row's start
+    (when the sequences feed different counts, a verify of each one's own number of
+    guesses, the rows' tails are padding). Everything after the scores is per token:
+    [N, ...], so a padded slot costs only its share of the scoring."""
+
+    owner: torch.Tensor  # [N]: each token's sequence
+    slots: torch.Tensor | None  # [N]: each token's place in [b * n]; None when every sequence feeds n
+    b: int
+    n: int
+
+    @classmethod
+    def of(cls, counts: Sequence[int], device: torch.device) -> Layout:
+        b, n = len(counts), max(counts)
+        owner = torch.arange(b, device=device).repeat_interleave(torch.tensor(counts, device=device))
+        slots = None if min(counts) == n else torch.cat(
+            [torch.arange(i * n, i * n + m, device=device) for i, m in enumerate(counts)])
+        return cls(owner, slots, b, n)
+
+    def padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-token rows [N, ...] as [b, n, ...]: each token at its slot, zeros elsewhere."""
+        if self.slots is None:
+            return rows.view(self.b, self.n, *rows.shape[1:])
+        out = rows.new_zeros(self.b * self.n, *rows.shape[1:])
+        return out.index_put_((self.slots,), rows).view(self.b, self.n, *rows.shape[1:])
+
+    def tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows laid out [b, n, ...] as the tokens' [N, ...] (padding dropped)."""
+        rows = rows.flatten(0, 1)
+        return rows if self.slots is None else rows.index_select(0, self.slots)
+
+    def each(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-sequence rows [b, ...] as each token's sequence's row [N, ...]."""
+        if self.slots is None:  # a view when each sequence feeds one token
+            return rows[:, None].expand(self.b, self.n, *rows.shape[1:]).flatten(0, 1)
+        return rows.index_select(0, self.owner)
+
+    def rows_at(self, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``table[owner[i], index[i]]`` for each token i: a table [b, E, d] per sequence
+        and an index [N, ...] -> [N, ..., d]."""
+        offsets = (self.owner * table.shape[1]).view(-1, *[1] * (index.dim() - 1))
+        return rows_at(table.flatten(0, 1), index + offsets)
+
+
+def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Row lists [n_i, d] as one [b, max n_i, d] tensor, zero-padded (one list: a view)."""
+    return rows[0][None] if len(rows) == 1 else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+@dataclass
+class CachedKeys:
+    """The engine's :class:`~model.transformer.Keys` for one step: the new tokens of
+    ``segments``, flat at ``positions`` [N], read each sequence's caches.
+
+    ``batched``: the cache reads run once over the padded batch (:meth:`_batch_keys`),
+    else per sequence (:meth:`_sequence_keys`). ``compiled`` (a
+    :class:`model.runtime.compiled.CompiledBlocks`) runs the per-token work where it
+    takes the step's tokens. Prefill scores the indexer's queries ``query_chunk`` at a
+    time.
+    """
+
+    model: Transformer
+    compiled: object | None
+    segments: list[Segment]
+    positions: torch.Tensor
+    batched: bool
+    window: int
+    query_chunk: int
+    # This step's indexer picks (and, batched, the padded rows of each KV source): per
+    # sequence, or one map for the whole batch when its cache reads are batched.
+    picks: dict | list[dict] = field(init=False)
+    rotary: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # cos and sin, per kind
+
+    def __post_init__(self) -> None:
+        self.picks = {} if self.batched else [{} for _ in self.segments]
+
+    def attend(self, block: Block, x: torch.Tensor) -> torch.Tensor:
+        """One layer's attention over the flat batch: x [N, D] -> [N, D]. The per-token
+        work (projections, rotary, the attention itself) runs once over every
+        sequence's tokens; what reads a sequence's caches runs once over the batch or
+        per sequence."""
+        plan, attn, segments, positions = block.plan, block.attn, self.segments, self.positions
+        if plan.rope not in self.rotary:
+            self.rotary[plan.rope] = self.model.rotary[plan.rope](positions[None])
+        cos, sin = self.rotary[plan.rope]
+        windows = [self._window(plan.index, segment) for segment in segments]
+        # Every sequence's new window rows quantised at once (row by row: the same bytes).
+        fast = self.compiled if self.compiled is not None and self.compiled.handles(len(positions)) else None
+        if fast is not None:
+            q, q_residual, window_bytes, window_values, index_query = fast.attention_in(attn, windows[0].rows, x,
+                                                                                          cos, sin)
+        else:
+            q, q_residual = attn.queries(x[None], cos, sin)
+            window_bytes, window_values = windows[0].rows.encode(attn.window_raw(x[None], cos, sin)[0])
+            index_query = None
+        for segment, window in zip(segments, windows):
+            window.rows.append_encoded(window_bytes[segment.lo : segment.hi], window_values[segment.lo : segment.hi])
+        if self.batched:
+            keys, mask = self._batch_keys(block, windows, x, q_residual, cos, sin, index_query)
+        else:
+            keys, mask = self._sequence_keys(block, windows, x, q_residual, cos, sin, index_query)
+        if fast is not None:
+            out = fast.attention_out(attn, q, keys, mask, cos, sin)
+        else:
+            chunk = self.query_chunk
+            out = attn.output(torch.cat([
+                attend_each(q[0, i : i + chunk], keys[i : i + chunk], mask[i : i + chunk], attn.attn_sink,
+                            attn.scaling)
+                for i in range(0, len(positions), chunk)
+            ])[None], cos, sin)[0]
+        for segment, window in zip(segments, windows):
+            excess = window.rows.n - self.window
+            if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
+                window.rows.drop_front(excess)
+                window.start += excess
+        return out
+
+    @staticmethod
+    def _window(layer: int, segment: Segment) -> Window:
+        """The sequence's window at ``layer`` (a new one where it has none), which must
+        end where the segment's tokens start."""
+        window = segment.cache.windows[layer]
+        if window is None:
+            window = segment.cache.new_window(layer, segment.first)
+        if window.end != segment.first:
+            raise ValueError(f"layer {layer}: window ends at {window.end}, tokens start at {segment.first}")
+        return window
+
+    def _batch_keys(self, block: Block, windows: list[Window], x: torch.Tensor, q_residual: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_sequence_keys` for ``b`` sequences of at most ``n`` tokens each, in a
+        fixed number of tensor ops however many sequences there are: (keys [N, T, hd],
+        mask [N, T]) for the step's tokens (their :class:`Layout` in ``picks``, made
+        once per step).
+
+        Each sequence's window rows that any of its queries may read are one slice of
+        its window; the slices, and the long-range entries and indexer keys of each KV
+        source (once per step, in ``picks``), are padded to the longest sequence, and
+        each token reads its own sequence's rows. Padding is masked, so each query
+        attends to the places the per-sequence path gives it (in another order where
+        sequences are padded: equal to float rounding)."""
+        plan, device, segments, positions, state = block.plan, x.device, self.segments, self.positions, self.picks
+        if "layout" not in state:
+            state["layout"] = Layout.of([s.hi - s.lo for s in segments], device)
+        layout: Layout = state["layout"]
+        firsts = [max(w.start, s.first - self.window + 1) for s, w in zip(segments, windows)]
+        views = [w.rows.values[first - w.start :] for w, first in zip(windows, firsts)]
+        window_keys = _padded(views)  # [b, Tw, hd]
+        places = torch.arange(window_keys.shape[1], device=device)
+        delta = (positions - layout.each(torch.tensor(firsts, device=device)))[:, None] - places
+        mask = (delta >= 0) & (delta < self.window)  # [N, Tw]
+        if layout.b > 1:
+            lengths = torch.tensor([v.shape[0] for v in views], device=device)
+            mask &= places < layout.each(lengths)[:, None]
+        keys = layout.each(window_keys)  # [N, Tw, hd]
+        if plan.mode is not AttentionMode.WINDOW:
+            if plan.mode is AttentionMode.FULL:
+                pool_groups(self.model, self.compiled, block, segments, x)
+            source = plan.kv_source
+            if ("rows", source) not in state:  # after the source's own layer added this step's groups
+                state["rows", source] = (_padded([s.cache.entries[source].values for s in segments]),
+                                         _padded([s.cache.keys[source].values for s in segments]))
+            entries, index_keys = state["rows", source]
+            if plan.runs_indexer:
+                state[plan.index] = self._batch_pick(block, index_keys, x, q_residual, cos, sin, index_query)
+            index, valid = state[plan.index_source]  # [N, k]
+            keys = torch.cat((keys, layout.rows_at(entries, index)), dim=1)
+            mask = torch.cat((mask, valid), dim=1)
+        return keys, mask
+
+    def _batch_pick(self, block: Block, keys: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_pick` over the batch (``picks["layout"]``): ``keys`` [b, E, d] per
+        sequence; returns (entry indices [N, k], valid [N, k]). ``index_query``: the
+        indexer's per-token half (:meth:`~model.attention.Indexer.query`) when the
+        compiled step computed it."""
+        plan, config, indexer = block.plan, self.model.config, block.attn.indexer
+        state, positions = self.picks, self.positions
+        layout = state["layout"]
+        k = min(config.index_topk, keys.shape[1])
+        if k == 0:
+            empty = torch.zeros(len(positions), 0, dtype=torch.long, device=x.device)
+            return empty, empty.bool()
+        q, weights = index_query or indexer.query(x[None], q_residual, cos, sin)  # [1, N, H, d], [1, N, H]
+        if plan.candidate_source is not None:  # a Reindex layer: each token scores its own candidates
+            pool = state["candidates"]
+            scores = indexer.score(q, weights, layout.rows_at(keys, pool[0])[None])[0]
+        else:  # every token of a sequence against its keys: laid out [b, n]
+            scores = layout.tokens(indexer.score(layout.padded(q[0]), layout.padded(weights[0]), keys))
+            pool = None
+        chosen = select_entries(scores, (positions + 1) // plan.compress_ratio, k, plan, config, pool,
+                                candidate_entries)
+        if chosen.pool is not None:
+            state["candidates"] = chosen.pool
+        return chosen.index, chosen.valid
+
+    def _sequence_keys(self, block: Block, windows: list[Window], x: torch.Tensor, q_residual: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's keys [N, T, hd] and mask [N, T], sequence by sequence (each
+        sequence's new window rows already in its window); sequences short of top-k
+        entries are padded with masked keys. ``index_query`` as in :meth:`_batch_pick`."""
+        keys, masks = [], []
+        for segment, window, segment_picks in zip(self.segments, windows, self.picks):
+            part = slice(segment.lo, segment.hi)
+            segment_keys, mask = self._keys(block, segment, window, x, q_residual[:, part], cos[:, part],
+                                            sin[:, part], segment_picks,
+                                            None if index_query is None else tuple(t[:, part] for t in index_query))
+            keys.append(segment_keys)
+            masks.append(mask)
+        if len(keys) == 1:
+            return keys[0], masks[0]
+        width = max(k.shape[1] for k in keys)
+        keys = [F.pad(k, (0, 0, 0, width - k.shape[1])) for k in keys]
+        masks = [F.pad(m, (0, width - m.shape[1])) for m in masks]
+        return torch.cat(keys), torch.cat(masks)
+
+    def _keys(self, block: Block, segment: Segment, window: Window, x: torch.Tensor, q_residual: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, picks: dict,
+              index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's keys at one layer, its new rows already in its ``window``:
+        (keys [n, W + k, hd], mask [n, W + k]) for its n tokens, the window places of
+        each query and, past a Window layer, the long-range entries its indexer picks.
+        ``x`` is the whole batch's [N, D]; the rest this sequence's."""
+        plan, cache, positions = block.plan, segment.cache, segment.positions
+        # Window places of each query: positions p - W + 1 .. p, where cached.
+        offsets = torch.arange(self.window, device=x.device) - (self.window - 1)
+        win_index = positions[:, None] + offsets[None] - window.start  # [n, W]
+        mask = win_index >= 0
+        keys = rows_at(window.rows.values, win_index.clamp_min(0))  # [n, W, hd]
+        if plan.mode is not AttentionMode.WINDOW:
+            if plan.mode is AttentionMode.FULL:
+                pool_groups(self.model, self.compiled, block, [segment], x)
+            entries = cache.entries[plan.kv_source].values
+            if plan.runs_indexer:
+                picks[plan.index] = self._pick(block, cache, x[segment.lo : segment.hi], q_residual, cos, sin,
+                                               positions, picks, index_query)
+            index, valid = picks[plan.index_source]
+            keys = torch.cat((keys, rows_at(entries, index)), dim=1)  # [n, W + k, hd]
+            mask = torch.cat((mask, valid), dim=1)
+        return keys, mask
+
+    def _pick(self, block: Block, cache, x, q_residual, cos, sin, positions, picks,
+              index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer of one layer over one sequence: (entry indices [n, k], valid [n, k]).
+
+        Queries are scored in chunks, so prefill never holds an [n, heads, T] tensor.
+        The candidate source lists its pool in ``picks``; a Reindex layer gathers and
+        scores only those candidates. ``index_query``: the indexer's per-token half
+        for these tokens, when the compiled step computed it.
+        """
+        plan, config = block.plan, self.model.config
+        keys = cache.keys[plan.kv_source].values
+        n, n_entries = len(positions), keys.shape[0]
+        k = min(config.index_topk, n_entries)
+        if k == 0:
+            empty = torch.zeros(n, 0, dtype=torch.long, device=x.device)
+            return empty, empty.bool()
+        n_visible = (positions + 1) // plan.compress_ratio  # [n]
+        indices, valid, pools = [], [], []
+        step = self.query_chunk
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            if index_query is None:
+                query = block.attn.indexer.query(x[None, lo:hi], q_residual[:, lo:hi], cos[:, lo:hi], sin[:, lo:hi])
+            else:
+                query = tuple(t[:, lo:hi] for t in index_query)
+            if plan.candidate_source is None:
+                pool, scores = None, block.attn.indexer.score(*query, keys[None])[0]  # [c, E]
+            else:  # a Reindex layer: its candidates only
+                pool = tuple(t[lo:hi] for t in picks["candidates"])
+                scores = block.attn.indexer.score(*query, rows_at(keys, pool[0])[None])[0]  # [c, P]
+            chosen = select_entries(scores, n_visible[lo:hi], k, plan, config, pool, candidate_entries)
+            indices.append(chosen.index)
+            valid.append(chosen.valid)
+            if chosen.pool is not None:
+                pools.append(chosen.pool)
+        if pools:
+            picks["candidates"] = tuple(torch.cat(parts) for parts in zip(*pools))
+        return torch.cat(indices), torch.cat(valid)

@@ -1,0 +1,121 @@
+"""The long-range memory an engine step adds: the pooling groups its tokens complete.
+
+A step's tokens are laid out flat, sequence after sequence (:class:`Segment`: one
+sequence's new tokens, its rows of the flat batch and their positions). A KV source
+layer pools each sequence's rows into long-range entries and indexer keys
+(:func:`pool_groups`) as soon as a group of ``compress_ratio`` rows is complete; the
+rows of an incomplete group wait in the cache's ``pending`` rows. A verify step can be
+taken back: its :class:`Rewind` keeps what :meth:`model.runtime.engine.Engine.accept`
+needs, among it the rows each KV source pooled from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engram import NgramContext
+from ..transformer import Block, Transformer
+from .cache import SequenceCache
+
+
+@dataclass
+class Rewind:
+    """What :meth:`Engine.accept` needs to take back the tokens of a :meth:`Engine.verify`
+    step (:mod:`model.runtime.engine`).
+
+    ``length``: the cache length before the step; ``n_tokens``: the tokens the step fed;
+    ``ngram``: the n-gram context before the step; ``pooling[src]``: the hidden states
+    [n, D] and positions [n] the KV source ``src`` pooled from (its pending rows, then
+    the step's), from which the pending group of any accepted prefix is cut.
+    """
+
+    length: int
+    n_tokens: int
+    token_ids: torch.Tensor
+    ngram: NgramContext | None
+    pooling: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class Segment:
+    """New tokens of one sequence inside a flat batch: rows ``[lo, hi)``, at the
+    consecutive ``positions`` from ``first``.
+
+    With ``rewind`` set (a verify step) the windows keep the rows a rollback may need
+    and the pooling rows are recorded there.
+    """
+
+    cache: SequenceCache
+    positions: torch.Tensor
+    lo: int
+    hi: int
+    rewind: Rewind | None = None
+    first: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.first = int(self.positions[0]) if len(self.positions) else self.cache.length
+
+
+def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segment], x: torch.Tensor) -> None:
+    """Extend a KV source's long-range entries and indexer keys with the complete
+    groups of every sequence's new rows ``x[lo:hi]`` (x [N, D]).
+
+    Positions already covered by stored entries are skipped (so replays never
+    rewrite long-range state); the incomplete group's hidden states stay pending.
+    A verify step records the rows pooled from in its rewind, for :meth:`Engine.accept`.
+    The groups of all sequences are pooled in one call, one group per row, by the
+    ``compiled`` step (a :class:`model.runtime.compiled.CompiledBlocks`) where it takes them.
+    """
+    source, ratio = block.plan.index, block.plan.compress_ratio
+    groups, owners = [], []
+    for segment in segments:
+        cache = segment.cache
+        rows, row_pos = _pooled_rows(segment, source, ratio, x)
+        if segment.rewind is not None:
+            segment.rewind.pooling[source] = (rows, row_pos)
+        whole = rows.shape[0] // ratio * ratio
+        if whole:
+            groups.append((rows[:whole], row_pos[:whole]))
+            owners.append((cache, whole // ratio))
+        cache.pending[source] = rows[whole:]
+    if not groups:
+        return
+    if len(groups) == 1:
+        rows, row_pos = groups[0][0][None], groups[0][1][None]
+    else:
+        rows = torch.cat([g[0] for g in groups]).unflatten(0, (-1, ratio))
+        row_pos = torch.cat([g[1] for g in groups]).view(-1, ratio)
+    # Row by row, so encoding every sequence's rows at once gives each its own bytes.
+    entry_store, key_store = owners[0][0].entries[source], owners[0][0].keys[source]
+    if compiled is not None and compiled.handles(rows.shape[0] * rows.shape[1]):
+        cos, sin = model.rotary["compress"](row_pos[:, ::ratio])
+        entry_rows, key_rows = compiled.pool_groups(block.attn, rows, cos, sin, entry_store, key_store)
+    else:
+        new_entries, new_keys = block.attn.compress(rows, row_pos, model.rotary["compress"])
+        entry_rows, key_rows = entry_store.encode(new_entries.flatten(0, 1)), key_store.encode(new_keys.flatten(0, 1))
+    lo = 0
+    for cache, n_groups in owners:
+        cache.entries[source].append_encoded(*(t[lo : lo + n_groups] for t in entry_rows))
+        cache.keys[source].append_encoded(*(t[lo : lo + n_groups] for t in key_rows))
+        lo += n_groups
+
+
+def _pooled_rows(segment: Segment, source: int, ratio: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows [n, D] KV source ``source`` pools from for ``segment``, and their
+    positions [n]: its pending rows then the segment's, or the segment's rows past
+    those its stored entries cover."""
+    cache = segment.cache
+    pending, covered = cache.pending[source], cache.entries[source].n * ratio
+    if pending.shape[0]:
+        if segment.first != covered + pending.shape[0]:
+            raise ValueError(f"layer {source}: tokens start at {segment.first}, "
+                             f"pending rows end at {covered + pending.shape[0]}")
+        rows = torch.cat((pending, x[segment.lo : segment.hi]))
+        return rows, torch.arange(covered, covered + rows.shape[0], device=x.device)
+    skip = min(max(0, covered - segment.first), segment.hi - segment.lo)
+    rows, row_pos = x[segment.lo + skip : segment.hi], segment.positions[skip:]
+    if rows.shape[0] and segment.first + skip != covered:
+        raise ValueError(f"layer {source}: pooling group starts at {segment.first + skip}, expected {covered}")
+    return rows, row_pos
