@@ -91,3 +91,21 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
     if runtime is not None and last:
         runtime.close()
     return result
+
+
+@pytest.fixture
+def tensor_reads(monkeypatch) -> list[str]:
+    """The names of the tensors the loader reads from checkpoint files from now on, in order
+    (``model.loader.read_tensors`` recorded)."""
+    from model import loader
+
+    read: list[str] = []
+    real = loader.read_tensors
+
+    def recording(path, keep=None):
+        for name, tensor in real(path, keep):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(loader, "read_tensors", recording)
+    return read

@@ -18,21 +18,10 @@ from cluster.serving.timing import parse_server_timing
 from model.chat import ChatTemplate, Message
 from model.runtime.engine import Engine
 from model.tokenizer import Tokenizer
-from tests.serve_harness import GOLDEN, health, post_json, replica_actor_name, sdk_client
+from tests.serve_harness import GOLDEN, health, post_json, replica_actor_name
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "deepseek-v4.1-small"
-
-
-@pytest.fixture(scope="module")
-def app(serve_runtime, tmp_path_factory):
-    with serve_runtime.app(tmp_path_factory.mktemp("serve"), exact_replay=True) as (url, redis):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return sdk_client(app)
 
 
 def test_models_and_health(app, client):

@@ -12,21 +12,10 @@ from typing import Literal
 import openai
 import pytest
 
-from tests.serve_harness import post_json, sdk_client
+from tests.serve_harness import post_json
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "deepseek-v4.1-small"
-
-
-@pytest.fixture(scope="module")
-def app(serve_runtime, tmp_path_factory):
-    with serve_runtime.app(tmp_path_factory.mktemp("serve"), exact_replay=True) as (url, redis):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(app):
-    return sdk_client(app)
 
 
 def test_the_responses_api_runs_a_cached_tool_loop_through_the_sdk(client):

@@ -35,18 +35,10 @@ def test_shard_holds_its_experts_and_the_lead_everything_else():
         ExpertShard(0, 3, 8)
 
 
-def test_a_worker_reads_only_its_share_of_the_checkpoint(golden_model, monkeypatch):
+def test_a_worker_reads_only_its_share_of_the_checkpoint(golden_model, tensor_reads):
     from model import loader
 
-    read: list[str] = []
-    real = loader.read_tensors
-
-    def recording(path, keep=None):
-        for name, tensor in real(path, keep):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(loader, "read_tensors", recording)
+    read = tensor_reads
     _, whole = golden_model
     experts = loader.load_experts(GOLDEN, ExpertShard(1, 2, 8))
     assert read and all(".ffn.experts." in name and int(name.split(".")[-3]) >= 4 for name in read)

@@ -389,21 +389,12 @@ def test_a_returning_turn_reads_its_image_from_the_store_not_the_tower(image_poo
     assert cached == start // 32 * 32 and encoder.runs == 2
 
 
-def test_the_decoder_pool_holds_no_vision_weights(reader, monkeypatch):
-    from actors.replica import ModelBundle
+def test_the_decoder_pool_holds_no_vision_weights(reader, tensor_reads):
     from actors.config import AppConfig
-    from model import loader
+    from actors.replica import ModelBundle
 
     directory, _, _ = reader
-    read: list[str] = []
-    real = loader.read_tensors
-
-    def recording(path, keep=None):
-        for name, tensor in real(path, keep):
-            read.append(name)
-            yield name, tensor
-
-    monkeypatch.setattr(loader, "read_tensors", recording)
+    read = tensor_reads
     config = AppConfig.from_args({"model": str(directory)})
     decoder = ModelBundle(config)
     assert decoder.vision is None and decoder.image_encoder() is None
