@@ -35,7 +35,6 @@ import torch
 
 from cluster import UserError
 from cluster.cli.training import add_limits, check_bounded, keep_heap, time_budget
-from model import training
 from model.config import ConfigError
 from model.dspark import draft_loss, target_streams
 from model.loader import CheckpointError, load_checkpoint, load_hasher, load_tokenizer, save_checkpoint
@@ -46,7 +45,7 @@ from model.runtime.calibration import Calibration
 from model.runtime.speculative import SpeculativeDrafter
 from model.training.batches import engram_ids
 from model.training.corpus import load_corpus, token_stream
-from model.training.loop import Counters, Plan, Task, train
+from model.training.loop import Counters, Plan, Task, lr_factor, train
 
 MINUTES = 15.0  # the time budget when neither --minutes nor --steps is given
 
@@ -127,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         p.requires_grad_(False)
     started = time.time()
     task = DrafterTraining(args, checkpoint, hasher, tokenizer)
-    plan = Plan(lambda step, progress: training.lr_factor(progress), steps=args.steps,
+    plan = Plan(lambda step, progress: lr_factor(progress), steps=args.steps,
                 seconds=time_budget(args.minutes, args.steps, MINUTES))
     task.drafter.train()
     counters = train(task, plan)

@@ -47,7 +47,7 @@ from model.training.corpus import (
 )
 from model.training.held_out import bits_per_byte, evaluate, held_out_rows
 from model.training.induction import INDUCTION_ALPHABETS, INDUCTION_PASS, INDUCTION_PROBES, Repeats
-from model.training.loop import Counters, Plan, Task, TrainState, train
+from model.training.loop import Counters, Plan, Task, TrainState, lr_factor, train
 from model.training.loss_plot import write_loss_png
 from model.training.small_config import small_config
 
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         state.directory.mkdir(parents=True, exist_ok=True)
         text.tokenizer.save(str(state.directory / "tokenizer.json"))
-    plan = Plan(lambda step, progress: training.lr_factor(progress), steps=args.steps,
+    plan = Plan(lambda step, progress: lr_factor(progress), steps=args.steps,
                 seconds=time_budget(args.minutes, args.steps, MINUTES), save_every_s=args.save_every * 60,
                 tokens_per_step=args.batch * args.seq_len)
     task.model.train()

@@ -38,7 +38,7 @@ from model.training.batches import Batches, engram_ids, pad_rows, replay_starts
 from model.training.corpus import HELD_OUT_EVERY, load_corpus, token_stream
 from model.training.held_out import evaluate, held_out_rows
 from model.training.induction import INDUCTION_ALPHABETS, INDUCTION_PROBES, Repeats
-from model.training.loop import Counters, Plan, Task, TrainState, train
+from model.training.loop import Counters, Plan, Task, TrainState, lr_factor, train
 
 MINUTES = 45.0  # the time budget when neither --minutes nor --steps is given
 STATE = "tools-state"  # the train state's folder under --out
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     task = ToolTraining(args, checkpoint, hasher, bpe, tokenizer)
     if args.resume:
         task.counters = state.resume(task)
-    plan = Plan(lambda step, progress: training.lr_factor(progress, warmup=0.05), steps=args.steps,
+    plan = Plan(lambda step, progress: lr_factor(progress, warmup=0.05), steps=args.steps,
                 seconds=time_budget(args.minutes, args.steps, MINUTES), save_every_s=args.save_every * 60)
     task.model.train()
     train(task, plan, task.counters, save=lambda: state.save(task, task.counters))

@@ -67,11 +67,9 @@ __all__ = [
     "indexer_kl",
     "init_module",
     "lm_loss",
-    "lr_factor",
     "masked_lm_loss",
     "newton_schulz",
     "quantised_weight_names",
-    "set_lr",
     "straight_through",
     "train_forward",
 ]
@@ -455,18 +453,3 @@ def build_optimizers(model: Transformer, lr: float, weight_decay: float = 0.01, 
         g["lr"] = g["base_lr"]
     optimizers.append(torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8))
     return optimizers
-
-
-def lr_factor(progress: float, warmup: float = 0.03, decay_from: float = 0.7, floor: float = 0.1) -> float:
-    """Warmup-stable-decay: linear warmup, constant, linear decay to ``floor`` (progress in [0, 1])."""
-    if progress < warmup:
-        return max(progress / warmup, 0.02)
-    if progress < decay_from:
-        return 1.0
-    return 1.0 - (1.0 - floor) * min(1.0, (progress - decay_from) / (1.0 - decay_from))
-
-
-def set_lr(optimizers: list[torch.optim.Optimizer], factor: float) -> None:
-    for opt in optimizers:
-        for group in opt.param_groups:
-            group["lr"] = group["base_lr"] * factor

@@ -28,11 +28,25 @@ from pathlib import Path
 
 import torch
 
-from model.training import set_lr
-
 # (steps taken, progress in [0, 1)) -> the learning-rate factor of the next step.
 Schedule = Callable[[int, float], float]
 RATE_WINDOW_S = 60.0  # the progress bar's rate is over about this much recent training time
+
+
+def lr_factor(progress: float, warmup: float = 0.03, decay_from: float = 0.7, floor: float = 0.1) -> float:
+    """Warmup-stable-decay: linear warmup, constant, linear decay to ``floor`` (progress in [0, 1])."""
+    if progress < warmup:
+        return max(progress / warmup, 0.02)
+    if progress < decay_from:
+        return 1.0
+    return 1.0 - (1.0 - floor) * min(1.0, (progress - decay_from) / (1.0 - decay_from))
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], factor: float) -> None:
+    """Every parameter group's learning rate: ``factor`` times its ``base_lr``."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * factor
 
 
 @dataclass

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from model import formats, training
 from model.config import ModelConfig
 from model.engram import EngramLayout, NgramHasher
+from model.training.loop import lr_factor
 from model.transformer import SequenceMemory, Transformer
 
 pytestmark = pytest.mark.unit
@@ -159,8 +160,8 @@ def test_fake_quant_weight_is_the_storage_round_trip():
 
 
 def test_lr_schedule():
-    assert training.lr_factor(0.0) < 0.1 and training.lr_factor(0.5) == 1.0
-    assert abs(training.lr_factor(1.0) - 0.1) < 1e-9
+    assert lr_factor(0.0) < 0.1 and lr_factor(0.5) == 1.0
+    assert abs(lr_factor(1.0) - 0.1) < 1e-9
 
 
 # ---------------------------------------------------------------------- the command
