@@ -19,14 +19,12 @@ import time
 
 from pydantic import Field
 
-# (``encoded``: a conversation's bytes in the store are JSON, as a stored response's)
 from cluster.serving.response_items import (
     ITEMS,
     TAGS,
     Item,
     Metadata,
     distinct,
-    encoded,
     identified,
     item_id,
     items_page,

@@ -28,7 +28,7 @@ from starlette.background import BackgroundTask
 
 from actors.config import AppConfig
 from actors.events import Token
-from actors.replica import ModelIdentity, prompt_gil_handoff
+from actors.replica import ModelIdentity, node_id, prompt_gil_handoff
 from actors.store import node_store, peer_store
 from cluster.serving.adapter import Adapter, Exchange, Model, Totals
 from cluster.serving.answers import Answer
@@ -47,12 +47,6 @@ from cluster.serving.timing import server_timing, store_times
 from cluster.serving.validation import ApiError, parse_json
 
 logger = logging.getLogger("ray.serve")
-
-
-def _this_node() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
 
 
 # The router takes every connection. A request waiting for a place in a decoder batch
@@ -89,7 +83,7 @@ class Router:
         # Stored responses and conversations (this node's store actor, reached at the first
         # use; the responses this router wrote lately, up to 64 MiB of JSON, in memory).
         self.records = Records(partial(node_store, config.store_settings(), model.naming.fingerprint.digest),
-                               peer_store, _this_node, index, link)
+                               peer_store, node_id, index, link)
         self.conversations = Conversations(self.records)
         parsing = Model(config.model_name, config.max_tokens_default, model_config.text.vocab_size,
                         self.prompts.image_reader, config.max_images_per_request)

@@ -191,7 +191,7 @@ class Records:
         cid, store = record["conversation"]["id"], await self.node_store()
         key = conversation_key(cid)
         # (put_now is False when Redis did not take the index entry: the store holds it all the same)
-        if store is None or (not await store.put_now([(key, conversations_api.encoded(record))])
+        if store is None or (not await store.put_now([(key, encoded(record))])
                              and (conversations_api.read(await self._get(store, key), cid) or {}).get("version")
                              != record["version"]):
             raise ApiError(503, "the conversation store is unavailable; retry shortly", kind="server_error",

@@ -12,6 +12,7 @@ from openai.types.conversations import Conversation, ConversationItem, Conversat
 from pydantic import TypeAdapter
 
 from cluster.serving import conversations_api as conversations
+from cluster.serving.response_items import encoded
 from cluster.serving.responses_api import parse_responses
 from cluster.serving.validation import ApiError
 
@@ -22,7 +23,7 @@ CALL = {"type": "function_call", "call_id": "c1", "name": "count_lines", "argume
 
 
 def _round_trip(record: dict) -> dict:
-    back = conversations.read(conversations.encoded(record), record["conversation"]["id"])
+    back = conversations.read(encoded(record), record["conversation"]["id"])
     assert back == record
     return back
 
@@ -90,7 +91,7 @@ def test_an_update_names_its_metadata() -> None:
 
 def test_bad_records_read_as_misses() -> None:
     record = conversations.created({"items": [{"role": "user", "content": "hi"}]})
-    cid, good = record["conversation"]["id"], conversations.encoded(record)
+    cid, good = record["conversation"]["id"], encoded(record)
     assert conversations.read(good, cid) == record
     bad = [None, b"", b"\x80\x04pickle", b"[]", good[:-1], good.replace(b'"version":1', b'"version":0'),
            good.replace(b'"version":1', b'"version":true'), good.replace(b'"items":[', b'"items":[7,'),
