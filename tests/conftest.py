@@ -27,6 +27,12 @@ pytest_plugins = ["tests.layers"]  # the layer marks, checked, and the run order
 RUNTIME = pytest.StashKey["ServeRuntime"]()  # session.stash: the serve_runtime fixture's
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: a worker per core, at most four (each may run a Ray instance and a
+    Serve app of its own)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN

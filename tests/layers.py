@@ -12,10 +12,12 @@ down onto those of its tests that name none, so that ``-m unit`` selects exactly
 tests whose layer is unit. A test without a layer fails the collection, and so does
 a module filed in a layer's folder (``tests/unit/...``) whose mark names another.
 
-The run order is by layer (unit, then integration, then e2e: the fast feedback
-first), each module's tests kept together (module fixtures are set up once), in
-file order otherwise; the modules whose apps share the session's Serve runtime
-(tests/serve_harness.py) run last, one after another, so that it starts once.
+In one process (``-n 0``) the run order is by layer (unit, then integration, then
+e2e: the fast feedback first), each module's tests kept together (module fixtures are
+set up once), in file order otherwise; the modules whose apps share the session's
+Serve runtime (tests/serve_harness.py) run last, one after another, so that it starts
+once. With workers (pytest-xdist, the default: ``-n auto``) the same units go to the
+workers longest first (:func:`order`).
 
 Loaded by tests/conftest.py as a plugin (``pytest_plugins``).
 """
@@ -73,22 +75,41 @@ def module_layers(items: list[pytest.Item]) -> dict[pytest.Module, str]:
 def order(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Unit modules first, then integration, then e2e, then the modules using the Serve
     runtime (noted in ``config.stash[SHARING]``); a module's tests together, in file
-    order otherwise."""
+    order otherwise.
+
+    Under pytest-xdist (``-n``), each module is one unit of work (its module fixtures
+    set up once), and so are the modules sharing the Serve runtime, together; the
+    longest units start first and the quick ones fill in behind them: the shared
+    runtime's, then the modules with ``slow`` tests (e2e, integration, unit), then
+    the rest."""
     layers = module_layers(items)
     first: dict[pytest.Module, int] = {}
-    sharing = set()
+    sharing, heavy = set(), set()
     for index, item in enumerate(items):
         module = item.getparent(pytest.Module)
         first.setdefault(module, index)
         if SHARED_RUNTIME in item.fixturenames:
             sharing.add(module)
+        if item.get_closest_marker("slow") is not None:
+            heavy.add(module)
 
-    def rank(item: pytest.Item) -> tuple[int, int]:
+    def rank(item: pytest.Item) -> tuple[int, int, int]:
         module = item.getparent(pytest.Module)
-        return len(LAYERS) if module in sharing else LAYERS.index(layers[module]), first[module]
+        if parallel(config):
+            layer = len(LAYERS) - LAYERS.index(layers[module])
+            return 0 if module in sharing else 1 if module in heavy else 2, layer, first[module]
+        return len(LAYERS) if module in sharing else LAYERS.index(layers[module]), 0, first[module]
 
     items.sort(key=rank)
     config.stash[SHARING] = sharing
+    for item in items:
+        module = item.getparent(pytest.Module)
+        item.add_marker(pytest.mark.xdist_group(SHARED_RUNTIME if module in sharing else module.nodeid))
+
+
+def parallel(config: pytest.Config) -> bool:
+    """Whether this is a pytest-xdist worker (``-n N``, N > 0)."""
+    return hasattr(config, "workerinput")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks

@@ -50,7 +50,7 @@ def test_replayed_rows_become_simulator_requests_with_their_measured_ends():
 @pytest.mark.e2e
 def test_validate_agrees_with_a_live_cluster_across_a_store_restart():
     out = subprocess.run([sys.executable, "-m", "cluster.cli", "cache-sim", "validate", "--conversations", "4",
-                          "--minutes", "10", "--max-prompt-tokens", "2000", "--speedup", "10", "--json"],
+                          "--minutes", "10", "--max-prompt-tokens", "2000", "--speedup", "20", "--json"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
