@@ -38,7 +38,7 @@ from model.runtime.sampling import SamplingParams
 from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
 from storage.keys import MediaSpan, ObjectKey
 
-from .events import Admission, Kept, Stored, Storing, Token
+from .events import Admission, Kept, Stored, Storing, Token, Tokens
 from .prefill import Moved, PrefillService, StoreLike, read_through
 from .store import STORE_TIMEOUT_S
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
@@ -202,7 +202,7 @@ class DecoderPool:
 
     def __init__(self, config: AppConfig):
         from actors.store import peer_store
-        from actors.metrics import DecoderMetrics, PrefillMetrics
+        from actors.metrics import DecoderMetrics, LoopStats, PrefillMetrics
 
         self.bundle = bundle = ModelBundle(config)
         store = bundle.store(config)
@@ -217,6 +217,7 @@ class DecoderPool:
         self.prefiller = PrefillService(bundle.engine, store, bundle.naming, self.node_id, peer_store)
         self.executor = one_thread_executor()
         self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
+        self.loop_counts = LoopStats()
         self.queues: dict[str, asyncio.Queue] = {}
         self.stepping: asyncio.Task | None = None
         self.slots = asyncio.Semaphore(config.max_batch)  # places in the batch
@@ -336,21 +337,28 @@ class DecoderPool:
             admission = Admission(handoff.cached_tokens, len(handoff.token_ids),
                                   handoff.prefill_s + self.service.last_admit_s, timeline, handoff.prefilled_by,
                                   handoff.moved_bytes, self.node_id)
+            tokens: list[Token] = []
             while True:
                 storing, store = None, None
                 if event.finish_reason is not None:
                     finished = True
                     leave_batch()  # its place is free while the conversation is stored
                     storing, store = self._store_conversation(request_id)
-                yield Token.of(event, admission, storing)
+                tokens.append(Token.of(event, admission, storing))
                 admission = None
                 if event.finish_reason is not None:
+                    yield self._item(tokens)
                     if store is not None:
                         yield await asyncio.shield(store)  # a stream closed now leaves the store running
                     return
-                if self.stepping is None or self.stepping.done():
-                    self.stepping = asyncio.create_task(self._step_loop())
-                event = await queue.get()
+                if queue.empty():  # out with what the steps made since the last item
+                    yield self._item(tokens)
+                    tokens = []
+                    if self.stepping is None or self.stepping.done():
+                        self.stepping = asyncio.create_task(self._step_loop())
+                    event = await queue.get()
+                else:
+                    event = queue.get_nowait()
                 if isinstance(event, BaseException):
                     raise event
         finally:
@@ -391,21 +399,46 @@ class DecoderPool:
         kept = Kept(name, self.replica_id, self.node_id) if name is not None else None  # the next turn comes here
         return Storing(StoringConversation(tuple(key for key, _ in objects), length), kept), storing
 
+    def _item(self, tokens: list[Token]) -> Tokens:
+        self.loop_counts.items += 1
+        return Tokens(tuple(tokens))
+
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while self.service.running:
-            batch = self.service.running
             try:
-                events = await loop.run_in_executor(self.executor, self.service.step)
+                await loop.run_in_executor(self.executor, self._steps, loop)
             except Exception as error:  # a failed step fails every request in the batch
                 for queue in self.queues.values():
                     queue.put_nowait(error)
                 return
-            self.metrics.step(batch, len(events), self.service.running, self.service.spec_metrics)
-            for event in events:
-                queue = self.queues.get(event.request_id)
-                if queue is not None:
-                    queue.put_nowait(event)
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: step the batch until it is empty or another job waits
+        for the thread (an admission, a cancel: they wait one step at most), handing
+        each step's events to the event loop in one call. The engine steps back to back,
+        not waiting for the event loop between steps."""
+        self.loop_counts.runs += 1
+        while self.service.running:
+            batch = self.service.running
+            began, cpu = time.perf_counter(), time.thread_time()
+            events = self.service.step()
+            self.loop_counts.stepped(len(events), time.perf_counter() - began, time.thread_time() - cpu)
+            loop.call_soon_threadsafe(self._deliver, batch, events)
+            if self.executor.waiting:
+                return
+
+    def _deliver(self, batch: int, events: list) -> None:
+        """One step's events, to their requests' queues (on the event loop)."""
+        self.metrics.step(batch, len(events), self.service.running, self.service.spec_metrics)
+        for event in events:
+            queue = self.queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    def loop_stats(self):
+        """This replica's :class:`~actors.metrics.LoopStats` so far, with the process's CPU time."""
+        return self.loop_counts.snapshot(time.process_time())
 
     def running(self) -> int:
         return self.service.running

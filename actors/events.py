@@ -1,6 +1,10 @@
 """What a decoder replica's stream tells the router: typed events.
 
-A request's stream is its tokens in order, each a :class:`Token`. The first carries
+A request's stream is its tokens in order, each a :class:`Token`, sent in
+:class:`Tokens` items: each item carries the tokens the request made since the last
+one went out (one per decode step while the replica keeps up; several when its event
+loop falls behind the engine, so that a busy replica sends fewer, larger items); the
+router reads them one token at a time through :class:`TokenStream`. The first carries
 its :class:`Admission` (how the prompt was encoded and admitted: one stream item fewer
 than a separate event); the last carries, when the replica is storing the
 conversation, a :class:`Storing` that names the objects (and where the conversation is
@@ -15,6 +19,7 @@ them; the router (:mod:`cluster.serving.answers`, :mod:`cluster.serving.planner`
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from model.runtime.batcher import TokenEvent
@@ -88,3 +93,34 @@ class Stored:
 
     at: float
     stored: bool
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The tokens of one request made since its stream's last item, in order (one
+    stream item)."""
+
+    tokens: tuple[Token, ...]
+
+
+class TokenStream:
+    """A decoder replica's stream (Serve's response generator) read one event at a
+    time: each :class:`Token` of the :class:`Tokens` items, then :class:`Stored`."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._held: deque[Token] = deque()
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> Token | Stored:
+        if not self._held:
+            item = await self.stream.__anext__()
+            if not isinstance(item, Tokens):
+                return item
+            self._held.extend(item.tokens)
+        return self._held.popleft()
+
+    def cancel(self) -> None:
+        self.stream.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,11 +123,40 @@ def prompt_gil_handoff() -> None:
     sys.setswitchinterval(5e-4)
 
 
-def one_thread_executor() -> concurrent.futures.ThreadPoolExecutor:
-    # The engine is not thread-safe: all model work of a replica runs on one thread,
-    # off the event loop (requests in, tokens out).
+class EngineThread(concurrent.futures.ThreadPoolExecutor):
+    """The one thread all of a replica's model work runs on (the engine is not
+    thread-safe), off the event loop; :attr:`waiting` counts the jobs queued behind the
+    one running, so that a run of decode steps can stop for an admission or a cancel."""
+
+    def __init__(self):
+        super().__init__(max_workers=1, thread_name_prefix="engine")
+        self._lock = threading.Lock()
+        self._waiting = 0
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        with self._lock:
+            self._waiting += 1
+
+        def started() -> None:
+            with self._lock:
+                self._waiting -= 1
+
+        def run():
+            started()
+            return fn(*args, **kwargs)
+
+        future = super().submit(run)
+        future.add_done_callback(lambda done: started() if done.cancelled() else None)  # (never ran)
+        return future
+
+
+def one_thread_executor() -> EngineThread:
     prompt_gil_handoff()
-    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    return EngineThread()
 
 
 def engram_rows(engram, metrics):

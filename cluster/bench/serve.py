@@ -3,8 +3,11 @@
 Starts the app on this machine (a local Ray instance, an embedded Redis, RAM and SSD
 tiers), then measures through HTTP:
 
-- **concurrency**: N clients at once, each streaming ``--tokens`` tokens: time to
-  first token (p50) and aggregate tokens/s;
+- **streams**: N clients at once (``--clients``), each streaming a ``--tokens``-token
+  answer: time to first token (p50) and decode tokens/s, against the engine's own
+  batched decode at batch N on the same weights and step, measured in this process
+  before Ray starts (``served_over_engine_batchN``), and where the difference goes
+  (CPU per token by process, the engine thread's busy share: :mod:`cluster.bench.serve_streams`);
 - **returning turn**: a conversation with a long history (``--history`` tokens) is
   answered once; its next turn (history + answer + a short message) is timed to
   first token (the median of ``--returning`` such turns, each resuming from turn one,
@@ -33,40 +36,21 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-from cluster.bench.sse import sse_chunks
+from cluster.bench.serve_streams import ROUNDS, breakdown, cpu_now, served_streams, timed_stream
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: as v41 serve)")
-    parser.add_argument("--clients", default="1,4,8", help="concurrency levels")
-    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--clients", default="1,4,16", help="concurrency levels (streams at once)")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens generated per stream")
     parser.add_argument("--history", type=int, default=16384, help="history tokens of the returning turn")
     parser.add_argument("--repeats", type=int, default=40, help="overhead repetitions")
     parser.add_argument("--returning", type=int, default=7, help="returning turns timed (median)")
     parser.add_argument("--cold", type=int, default=3, help="cold runs of the same shape timed (median)")
     parser.add_argument("--compiled-step", action="store_true", help="both pools run the compiled step")
-
-
-async def _stream(session, url: str, body: dict) -> tuple[float, int, float, dict]:
-    """(seconds to first token, tokens, total seconds, usage) of one streamed request."""
-    start = time.perf_counter()
-    first, tokens, usage = None, 0, {}
-    async with session.post(url, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as reply:
-        if reply.status != 200:
-            raise RuntimeError(f"HTTP {reply.status}: {await reply.text()}")
-        async for chunk in sse_chunks(reply):
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices", []):
-                if choice["delta"].get("content"):
-                    first = first or time.perf_counter()
-                    tokens += 1
-    end = time.perf_counter()
-    return (first or end) - start, tokens, end - start, usage
 
 
 def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
@@ -76,31 +60,52 @@ def _history_text(tokenizer, n_tokens: int, nonce: str) -> str:
     return unit * max(1, n_tokens // per_unit)
 
 
-async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
+def _client_prompts(n: int) -> list[str]:
+    return [f"def client_{i}():" for i in range(n)]
+
+
+async def _streams(session, chat: str, args, model_name: str,
+                   engine: tuple[dict[int, tuple[float, float]], tuple[int, ...]], pids) -> dict:
+    """Each concurrency level's streams against the engine at that batch (see
+    :mod:`cluster.bench.serve_streams`)."""
+    from ray import serve
+
+
+    decoder = serve.get_deployment_handle("DecoderPool", app_name="v41")
+    engine, stops = engine
+    base = {"model": model_name, "max_tokens": args.tokens, "temperature": 0,
+            "logit_bias": {str(token): -100 for token in stops}}
+    bodies = [{**base, "messages": [{"role": "user", "content": text}]} for text in _client_prompts(max(engine))]
+    for body in bodies:  # each prompt once: its cache is kept, and every package loaded
+        await timed_stream(session, chat, {**body, "max_tokens": 2})
+    rows = {}
+    for n, (engine_rate, engine_per_step) in engine.items():
+        loop, cpu = await decoder.loop_stats.remote(), cpu_now(*pids)
+        runs = [await served_streams(session, chat, bodies[:n]) for _ in range(ROUNDS)]
+        loop, cpu = await decoder.loop_stats.remote() - loop, cpu_now(*pids) - cpu
+        rate = statistics.median(rate for rate, _, _ in runs)
+        tokens = sum(tokens for _, tokens, _ in runs)
+        rows[n] = {"tokens_per_s": rate, "engine_tokens_per_s": engine_rate, "served_over_engine": rate / engine_rate,
+                   "engine_tokens_per_step": engine_per_step,
+                   "tokens": tokens, "ttft_ms_p50": 1e3 * statistics.median(t for _, _, ttfts in runs for t in ttfts),
+                   "where_us_per_token": breakdown(tokens, cpu, loop), "decoder_loop": asdict(loop)}
+    return rows
+
+
+async def _measure(url: str, args, model_name: str, tokenizer, engine, pids) -> dict:
     import aiohttp
 
     from cluster.serving.timing import parse_server_timing
 
     chat = f"{url}/v1/chat/completions"
-    results: dict = {"concurrency": {}}
+    results: dict = {}
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        base = {"model": model_name, "max_tokens": args.tokens, "temperature": 0}
-        await _stream(session, chat, {**base, "messages": [{"role": "user", "content": "warm up"}]})
-        for n in [int(c) for c in args.clients.split(",")]:
-            start = time.perf_counter()
-            runs = await asyncio.gather(*[
-                _stream(session, chat, {**base, "messages": [{"role": "user", "content": f"def client_{n}_{i}():"}]})
-                for i in range(n)])
-            wall = time.perf_counter() - start
-            results["concurrency"][n] = {
-                "ttft_ms_p50": 1e3 * statistics.median(r[0] for r in runs),
-                "tokens_per_s": sum(r[1] for r in runs) / wall,
-            }
+        results["streams"] = await _streams(session, chat, args, model_name, engine, pids)
         # Returning turn against cold.
         short = {"model": model_name, "max_tokens": 4, "temperature": 0}
         turn_one = [{"role": "user", "content": _history_text(tokenizer, args.history, "a")}]
-        _, _, _, _ = await _stream(session, chat, {**short, "messages": turn_one})
+        await timed_stream(session, chat, {**short, "messages": turn_one})
         answer = (await (await session.post(chat, json={**short, "messages": turn_one})).json())
         answer_text = answer["choices"][0]["message"]["content"]
         await asyncio.sleep(1.0)  # the window state is written behind the first answer
@@ -109,9 +114,9 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
         ttfts, stages, usage = [], [], {}
         for i in range(args.returning):
             follow = [{"role": "assistant", "content": answer_text}, {"role": "user", "content": f"and then? {i}"}]
-            returning = await _stream(session, chat, {**short, "messages": turn_one + follow})
-            ttfts.append(returning[0])
-            usage = returning[3]
+            returning = await timed_stream(session, chat, {**short, "messages": turn_one + follow})
+            ttfts.append(returning.ttft_s)
+            usage = returning.usage
             follow[1]["content"] = f"and after that? {i}"
             response = await session.post(chat, json={**short, "max_tokens": 1, "messages": turn_one + follow})
             await response.read()
@@ -119,14 +124,14 @@ async def _measure(url: str, args, model_name: str, tokenizer) -> dict:
         colds = []  # prompts of the same shape that nothing cached (each its own nonce)
         for i in range(args.cold):
             cold_prompt = [{"role": "user", "content": _history_text(tokenizer, args.history, f"b{i}")}] + follow
-            colds.append(await _stream(session, chat, {**short, "messages": cold_prompt}))
+            colds.append(await timed_stream(session, chat, {**short, "messages": cold_prompt}))
         results["returning"] = {"ttft_s": statistics.median(ttfts), "ttft_s_all": ttfts,
                                 "stages_ms_p50": {k: round(statistics.median(s.get(k, 0.0) for s in stages), 2)
                                                   for k in stages[0]},
                                 "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
                                 "prompt_tokens": usage.get("prompt_tokens", 0)}
-        results["cold"] = {"ttft_s": statistics.median(c[0] for c in colds), "ttft_s_all": [c[0] for c in colds],
-                           "prompt_tokens": colds[-1][3].get("prompt_tokens", 0)}
+        results["cold"] = {"ttft_s": statistics.median(c.ttft_s for c in colds), "ttft_s_all": [c.ttft_s for c in colds],
+                           "prompt_tokens": colds[-1].usage.get("prompt_tokens", 0)}
     return results
 
 
@@ -193,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
     from actors.config import AppConfig
     from cluster import UserError
     from cluster.serving.local import default_model, local_app
+    from cluster.bench.serve_streams import engine_rates, print_streams, replica_pid
+    from model.chat import ChatTemplate, Message
+    from model.config import ModelConfig
     from model.tokenizer import Tokenizer
     from storage.redis_server import free_port
 
@@ -202,16 +210,24 @@ def run(args: argparse.Namespace) -> int:
     for name in ("repeats", "returning", "cold"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    clients = [int(c) for c in args.clients.split(",")]
+    if min(clients) < 1 or args.tokens < 2:
+        raise UserError("--clients must be counts of at least 1, and --tokens at least 2")
     tokenizer = Tokenizer.from_dir(model)
     in_process = _in_process_one_token(model, args.repeats)
     port = free_port()
     cache_dir = tempfile.mkdtemp(prefix="v41-bench-serve-")  # removed once the store actors are gone
     app_args = {"model": str(model), "ssd_dir": cache_dir + "/{node}", "max_model_len": args.history * 2 + 1024,
                 "compiled_step": args.compiled_step}
+    template = ChatTemplate(tokenizer)
+    stops = ModelConfig.load(model).text.eos_ids  # biased out: every stream runs to --tokens
+    engine = engine_rates(app_args, [template.render([Message("user", text)]) for text in _client_prompts(max(clients))],
+                          clients, args.tokens, stops)
     try:
         with local_app(app_args, port=port):  # as `v41 serve` runs the app
             name = AppConfig.from_args({"model": str(model)}).model_name
-            results = asyncio.run(_measure(f"http://127.0.0.1:{port}", args, name, tokenizer))
+            pids = replica_pid("Router"), replica_pid("DecoderPool")
+            results = asyncio.run(_measure(f"http://127.0.0.1:{port}", args, name, tokenizer, (engine, stops), pids))
             results.update(_one_token_requests("127.0.0.1", port, name, args.repeats))
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -220,10 +236,8 @@ def run(args: argparse.Namespace) -> int:
     overhead_ms = _overhead_ms(short)
     vs_in_process_ms = 1e3 * (http_p50 - statistics.median(in_process))
     ratio = results["returning"]["ttft_s"] / results["cold"]["ttft_s"]
-    print(f"v41 bench serve: {model}" + (" (compiled step)" if args.compiled_step else ""))
-    print(f"{'clients':>8}  {'TTFT p50 ms':>12}  {'tokens/s':>9}")
-    for n, row in results["concurrency"].items():
-        print(f"{n:>8}  {row['ttft_ms_p50']:>12.1f}  {row['tokens_per_s']:>9.1f}")
+    print(f"v41 bench serve: {model}" + (" (compiled step)" if args.compiled_step else " (eager step)"))
+    print_streams(results["streams"], args.tokens)
     print(f"\nreturning turn: TTFT p50 {results['returning']['ttft_s']:.3f} s over {args.returning} turns "
           f"({results['returning']['cached_tokens']} of {results['returning']['prompt_tokens']} prompt tokens cached); "
           "stages (p50 ms): " + ", ".join(f"{k} {v:.1f}" for k, v in results["returning"]["stages_ms_p50"].items()))
@@ -243,8 +257,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {path}, isolated, where its time goes (p50 ms): "
               + ", ".join(f"{k} {v:.1f}" for k, v in stages[path].items()))
     if args.json:
-        best = max(results["concurrency"].values(), key=lambda row: row["tokens_per_s"])
+        best = max(results["streams"].values(), key=lambda row: row["tokens_per_s"])
         print(json.dumps({
+            **{f"served_over_engine_batch{n}": round(row["served_over_engine"], 3)
+               for n, row in results["streams"].items()},
             "returning_over_cold_ttft": round(ratio, 4),
             "serve_overhead_ms_p50": round(overhead_ms, 2),
             "serve_overhead_back_to_back_ms_p50": round(overheads["short"]["back_to_back"], 2),
@@ -253,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             "serve_overhead_pool_path_ms_p50": round(overheads["pool"]["isolated"], 2),
             "serve_overhead_pool_path_back_to_back_ms_p50": round(overheads["pool"]["back_to_back"], 2),
             "one_token_stages_ms_p50": {path: {k: round(v, 2) for k, v in row.items()} for path, row in stages.items()},
-            "concurrency": results["concurrency"],
+            "streams": results["streams"],
             "returning": results["returning"], "cold": results["cold"],
         }))
     return 0

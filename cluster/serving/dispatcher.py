@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ray.serve.exceptions import BackPressureError
 
-from actors.events import Kept, Token
+from actors.events import Kept, Token, TokenStream
 from actors.state import CachePlan
 from cluster.serving.request import GenerationRequest
 from cluster.serving.validation import ApiError
@@ -79,15 +79,15 @@ class Dispatcher:
         if resume is not None:
             # The replica that keeps it encodes only what the conversation added, from its
             # cache; another (moved for load) reads the conversation from the store.
-            return [Sent(decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup,
-                                                             preferred_nodes=nodes, resident=resume[0],
-                                                             preferred_replica=replica))]
+            return [Sent(TokenStream(decoder.prefill_and_generate.remote(
+                plan, request.params, rid, engram=lookup, preferred_nodes=nodes, resident=resume[0],
+                preferred_replica=replica)))]
         if request.n == 1 and plan.cached_chunks == 0 and plan.windows == () and not images and \
                 len(tokens) <= self.config.local_prefill_tokens:
             # Nothing stored and a short prompt: the decoder encodes it itself, sparing
             # two hops and a handoff (its batch waits about one step for it).
-            return [Sent(decoder.prefill_and_generate.remote(plan, request.params, rid, engram=lookup,
-                                                             preferred_nodes=nodes, preferred_replica=replica))]
+            return [Sent(TokenStream(decoder.prefill_and_generate.remote(
+                plan, request.params, rid, engram=lookup, preferred_nodes=nodes, preferred_replica=replica)))]
         stored = self.naming.loadable_chunks(plan)
         if stored and plan.chunk_keys:  # the decoder reads the stored prefix while the prefill runs
             self.decoder_prefetch.prefetch.remote(plan.chunk_keys[:stored], preferred_nodes=nodes,
@@ -98,11 +98,12 @@ class Dispatcher:
         def without_the_pool(params, sample_id):  # the prefill pool failed: the decoder encodes the prompt
             if images:  # (not one with images: the vision tower is the prefill pool's)
                 return None
-            return lambda: self.decoder_direct.prefill_and_generate.remote(plan, params, sample_id)
+            return lambda: TokenStream(self.decoder_direct.prefill_and_generate.remote(plan, params, sample_id))
 
         ids = [rid] if request.n == 1 else [f"{rid}-{i}" for i in range(request.n)]
-        return [Sent(self.decoder.generate.remote(handoff, params, sample_id, preferred_nodes=nodes,
-                                                  preferred_replica=replica), without_the_pool(params, sample_id))
+        return [Sent(TokenStream(self.decoder.generate.remote(handoff, params, sample_id, preferred_nodes=nodes,
+                                                              preferred_replica=replica)),
+                     without_the_pool(params, sample_id))
                 for params, sample_id in zip(request.samples(), ids)]
 
     def _engram_lookup(self, tokens: list[int]):

@@ -299,15 +299,8 @@ def test_a_client_gone_while_its_admission_waits_leaves_no_request_in_the_batch(
     import asyncio
     import threading
 
-    from actors.decoder import DecoderPool
-    from actors.replica import one_thread_executor
-    from actors.metrics import DecoderMetrics
-
     engine, store, naming = pools
-    pool = object.__new__(DecoderPool.func_or_class)
-    pool.service = DecoderService(engine, store, naming, max_batch=1)
-    pool.executor, pool.queues, pool.queued, pool.stepping, pool.node_id = one_thread_executor(), {}, 0, None, "n1"
-    pool.metrics = DecoderMetrics()
+    pool = _pool_without_ray(engine, store, naming, max_batch=1)
     prefill = PrefillService(engine, store, naming)
     params = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -342,8 +335,68 @@ def test_a_client_gone_while_its_admission_waits_leaves_no_request_in_the_batch(
         return await asyncio.wait_for(later, 60)
 
     try:
-        event = asyncio.run(scenario())
+        (event,) = asyncio.run(scenario()).tokens
     finally:
         pool.executor.shutdown(wait=True)
     assert event.admission.prompt_tokens == 40 and event.finish_reason is None
     assert pool.service.running == 0  # both left the batch: a cancelled, b closed after its first token
+
+
+def _pool_without_ray(engine, store, naming, max_batch: int):
+    """A decoder replica's :class:`actors.decoder.DecoderPool` built without Serve (its
+    queueing and streaming, on this process's event loop)."""
+    from actors.decoder import DecoderPool
+    from actors.metrics import DecoderMetrics, LoopStats
+    from actors.replica import one_thread_executor
+
+    pool = object.__new__(DecoderPool.func_or_class)
+    pool.service = DecoderService(engine, store, naming, max_batch=max_batch)
+    pool.executor, pool.queues, pool.queued, pool.stepping, pool.node_id = one_thread_executor(), {}, 0, None, "n1"
+    pool.metrics, pool.loop_counts = DecoderMetrics(), LoopStats()
+    return pool
+
+
+def test_a_reader_that_falls_behind_gets_the_steps_tokens_together_in_order(pools, golden_prompts):
+    """The engine steps on while a request's stream is not read: the next item carries
+    every token made since the last one (one item per step while the reader keeps up),
+    and the tokens are those of plain greedy decoding."""
+    import asyncio
+
+    engine, store, naming = pools
+    prompt = golden_prompts[0][:40]
+    cache = engine.new_cache()
+    logits = engine.replay(cache, engine.prefill(cache, prompt))
+    greedy = [int(logits.argmax())]
+    for _ in range(11):
+        greedy.append(int(engine.decode([(cache, [greedy[-1]])])[0][-1].argmax()))
+
+    pool = _pool_without_ray(engine, store, naming, max_batch=2)
+    prefill = PrefillService(engine, store, naming)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+
+    def admit():
+        handoff = prefill.prefill(CachePlan(tuple(prompt), 0), in_process=True)
+        return handoff, pool.service.admit("r", handoff, params)
+
+    async def read() -> list[tuple[int, ...]]:
+        pool.slots = asyncio.Semaphore(2)
+        items, events = [], pool._decode("r", admit)
+        try:
+            while sum(len(item) for item in items) < 12:
+                items.append(tuple(token.token_id for token in (await events.__anext__()).tokens))
+                if len(items) == 2:  # behind: the engine makes several tokens meanwhile
+                    await asyncio.sleep(0.5)
+        finally:
+            await events.aclose()
+        return items
+
+    try:
+        items = asyncio.run(read())
+    finally:
+        pool.executor.shutdown(wait=True)
+    tokens = [token for item in items for token in item]
+    assert tokens[:12] == greedy
+    assert len(items[0]) == 1  # the first token, alone (its admission)
+    assert len(items[2]) > 1  # what the steps made while the reader slept
+    assert pool.loop_counts.tokens >= len(tokens) - 1 and pool.loop_counts.items == len(items)
+    assert pool.service.running == 0  # the closed stream left the batch
