@@ -210,9 +210,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("repeats", "returning", "cold"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    clients = [int(c) for c in args.clients.split(",")]
-    if min(clients) < 1 or args.tokens < 2:
-        raise UserError("--clients must be counts of at least 1, and --tokens at least 2")
+    clients = [int(c) for c in args.clients.split(",") if c.strip().isdigit()]
+    if len(clients) != len(args.clients.split(",")) or min(clients) < 1:
+        raise UserError(f"--clients must be comma-separated counts of at least 1, got {args.clients!r}")
+    if args.tokens < 2:
+        raise UserError(f"--tokens must be at least 2, got {args.tokens}")
     tokenizer = Tokenizer.from_dir(model)
     in_process = _in_process_one_token(model, args.repeats)
     port = free_port()
