@@ -173,9 +173,21 @@ def _ssd_rows(objects: _Objects, size_kib: int, reps: int, root: Path) -> list[R
     return [Row("ssd", size_kib, "put", *put), Row("ssd", size_kib, "get", *get)]
 
 
+def _empty(client: redis.Redis) -> None:
+    """Delete every key (the embedded Redis refuses FLUSHALL: storage/redis_server.py)."""
+    batch = []
+    for name in client.scan_iter(count=1000):
+        batch.append(name)
+        if len(batch) == 1000:
+            client.unlink(*batch)
+            batch = []
+    if batch:
+        client.unlink(*batch)
+
+
 def _redis_rows(objects: _Objects, size_kib: int, reps: int, url: str) -> list[Row]:
     client = redis.Redis.from_url(url)
-    client.flushall()
+    _empty(client)
     raw_keys = [f"raw:{i}" for i in range(objects.count)]
     payloads = objects.payloads
     batches = range(0, objects.count, _BATCH)
