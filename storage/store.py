@@ -136,7 +136,8 @@ class TieredStore:
                 touch_interval_s=self._policy.touch_interval_s, heartbeat_s=config.index_heartbeat_s)
         self._writer = WriteBehind(self._write_lower, max_bytes=config.write_queue_bytes)
         # Keys being read from the SSD or Redis now: (done, [the payload or None]).
-        self._reading: dict[ObjectKey, tuple[threading.Event, list]] = {}
+        # Keys being read from the lower tiers: (the reading call's event, its results, the key's index there).
+        self._reading: dict[ObjectKey, tuple[threading.Event, list, int]] = {}
         self._reading_lock = threading.Lock()
         self._closed = threading.Event()
         self._gc_thread = threading.Thread(target=self._gc_loop, name="v41-store-gc", daemon=True)
@@ -249,15 +250,16 @@ class TieredStore:
         (and count one hit). A reader finishes its own keys before it waits for others',
         so two readers of overlapping keys never wait on each other."""
         own: list[int] = []
-        theirs: list[tuple[int, threading.Event, list]] = []
+        theirs: list[tuple[int, tuple[threading.Event, list, int]]] = []
+        done = threading.Event()  # one for this call's keys: set when all of them are read
         with self._reading_lock:
             for i in missing:
                 flight = self._reading.get(keys[i])
                 if flight is None:
-                    self._reading[keys[i]] = (threading.Event(), [None])
+                    self._reading[keys[i]] = (done, results, i)
                     own.append(i)
                 else:
-                    theirs.append((i, *flight))
+                    theirs.append((i, flight))
         try:
             pending = own
             for tier in (self._ssd, self._redis):
@@ -275,12 +277,11 @@ class TieredStore:
         finally:
             with self._reading_lock:
                 for i in own:
-                    done, box = self._reading.pop(keys[i])
-                    box[0] = results[i]
-                    done.set()
-        for i, done, box in theirs:
-            done.wait()
-            results[i] = box[0]
+                    del self._reading[keys[i]]
+            done.set()
+        for i, (read, their_results, at) in theirs:
+            read.wait()
+            results[i] = their_results[at]
 
     def read_prefix(self, keys: Sequence[ObjectKey]) -> list[tuple[bytes, TierName]]:
         """Read the longest prefix of ``keys`` this node holds: per key read, its payload
