@@ -65,14 +65,14 @@ def _client_prompts(n: int) -> list[str]:
 
 
 async def _streams(session, chat: str, args, model_name: str,
-                   engine: tuple[dict[int, tuple[float, float]], tuple[int, ...]], pids) -> dict:
-    """Each concurrency level's streams against the engine at that batch (see
-    :mod:`cluster.bench.serve_streams`)."""
+                   reference: tuple[dict[int, tuple[float, float]], tuple[int, ...]], pids) -> dict:
+    """Each concurrency level's streams against the engine at that batch (``reference``:
+    the engine's (tokens/s, tokens per step) by batch, and the stop tokens biased out;
+    see :mod:`cluster.bench.serve_streams`)."""
     from ray import serve
 
-
     decoder = serve.get_deployment_handle("DecoderPool", app_name="v41")
-    engine, stops = engine
+    engine, stops = reference
     base = {"model": model_name, "max_tokens": args.tokens, "temperature": 0,
             "logit_bias": {str(token): -100 for token in stops}}
     bodies = [{**base, "messages": [{"role": "user", "content": text}]} for text in _client_prompts(max(engine))]
