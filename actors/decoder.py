@@ -24,7 +24,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ray import serve
 
@@ -437,8 +437,8 @@ class DecoderPool:
                 queue.put_nowait(event)
 
     def loop_stats(self):
-        """This replica's :class:`~actors.metrics.LoopStats` so far, with the process's CPU time."""
-        return self.loop_counts.snapshot(time.process_time())
+        """A copy of this replica's :class:`~actors.metrics.LoopStats` so far."""
+        return replace(self.loop_counts)
 
     def running(self) -> int:
         return self.service.running

@@ -6,7 +6,7 @@ them (Ray metrics must be built in a Ray worker). Names start with ``v41_``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass
 
 from ray.util import metrics
 
@@ -115,17 +115,16 @@ class DecoderMetrics:
 @dataclass
 class LoopStats:
     """A decoder replica's engine loop, counted from its start (`v41 bench serve` reads
-    two and subtracts): steps, the tokens they made, the wall time in them and the
-    engine thread's CPU time in them, and the stream items that carried the tokens
-    out, and the trips to the engine thread they took. A snapshot (:meth:`snapshot`) adds the process's CPU time, all threads."""
+    two and subtracts): the trips to the engine thread that stepped, the steps, the
+    tokens they made, the wall time in them and the engine thread's CPU time in them,
+    and the stream items that carried the tokens out."""
 
-    runs: int = 0  # trips to the engine thread that stepped (each steps until another job waits)
+    runs: int = 0  # (each trip steps until another job waits for the thread)
     steps: int = 0
     tokens: int = 0
     step_s: float = 0.0
     step_cpu_s: float = 0.0
     items: int = 0
-    process_cpu_s: float = 0.0
 
     def stepped(self, tokens: int, wall_s: float, cpu_s: float) -> None:
         self.steps += 1
@@ -133,13 +132,8 @@ class LoopStats:
         self.step_s += wall_s
         self.step_cpu_s += cpu_s
 
-    def snapshot(self, process_cpu_s: float) -> LoopStats:
-        return replace(self, process_cpu_s=process_cpu_s)
-
     def __sub__(self, before: LoopStats) -> LoopStats:
-        return LoopStats(self.runs - before.runs, self.steps - before.steps, self.tokens - before.tokens, self.step_s - before.step_s,
-                         self.step_cpu_s - before.step_cpu_s, self.items - before.items,
-                         self.process_cpu_s - before.process_cpu_s)
+        return LoopStats(*(a - b for a, b in zip(astuple(self), astuple(before))))
 
 
 class PrefillMetrics:

@@ -135,8 +135,8 @@ class TieredStore:
                 self._index, clock, self._local_entries, max_pending=config.index_pending_max,
                 touch_interval_s=self._policy.touch_interval_s, heartbeat_s=config.index_heartbeat_s)
         self._writer = WriteBehind(self._write_lower, max_bytes=config.write_queue_bytes)
-        # Keys being read from the SSD or Redis now: (done, [the payload or None]).
-        # Keys being read from the lower tiers: (the reading call's event, its results, the key's index there).
+        # Keys being read from the SSD or Redis now: (the reading call's event, its results,
+        # the key's index in them).
         self._reading: dict[ObjectKey, tuple[threading.Event, list, int]] = {}
         self._reading_lock = threading.Lock()
         self._closed = threading.Event()

@@ -194,6 +194,21 @@ def _in_process_one_token(model_dir: Path, repeats: int) -> list[float]:
     return times[1:]
 
 
+def _checked_counts(args: argparse.Namespace) -> list[int]:
+    """The concurrency levels; a count the bench cannot run is a :class:`UserError`."""
+    from cluster import UserError
+
+    for name in ("repeats", "returning", "cold"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    clients = [int(c) for c in args.clients.split(",") if c.strip().isdigit()]
+    if len(clients) != len(args.clients.split(",")) or min(clients) < 1:
+        raise UserError(f"--clients must be comma-separated counts of at least 1, got {args.clients!r}")
+    if args.tokens < 2:
+        raise UserError(f"--tokens must be at least 2, got {args.tokens}")
+    return clients
+
+
 def run(args: argparse.Namespace) -> int:
     from actors.config import AppConfig
     from cluster import UserError
@@ -207,14 +222,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or default_model()
     if not (model / "config.json").exists():
         raise UserError(f"no checkpoint at {model}")
-    for name in ("repeats", "returning", "cold"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    clients = [int(c) for c in args.clients.split(",") if c.strip().isdigit()]
-    if len(clients) != len(args.clients.split(",")) or min(clients) < 1:
-        raise UserError(f"--clients must be comma-separated counts of at least 1, got {args.clients!r}")
-    if args.tokens < 2:
-        raise UserError(f"--tokens must be at least 2, got {args.tokens}")
+    clients = _checked_counts(args)
     tokenizer = Tokenizer.from_dir(model)
     in_process = _in_process_one_token(model, args.repeats)
     port = free_port()

@@ -22,6 +22,7 @@ import pytest
 import ray
 from ray import serve
 
+from cluster.bench.serve_streams import replica_pid
 from cluster.serving.app import build_app
 from tests.serve_harness import (
     health,
@@ -242,13 +243,6 @@ def _pool_down(url: str, pool: str) -> bool:
         problem.startswith(f"{pool} pool: no replica running") for problem in body["problems"])
 
 
-def _pid_of(deployment: str) -> int:
-    """The process of ``deployment``'s replica in this test's Ray instance (another
-    worker of the suite may run an app of its own beside it)."""
-    actor = ray.get_actor(replica_actor_name(deployment), namespace="serve")
-    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()))
-
-
 def test_killed_prefill_and_router_replicas_are_replaced(app, client):
     url = app[0]
     assert health_response(url)[0] == 200
@@ -264,7 +258,7 @@ def test_killed_prefill_and_router_replicas_are_replaced(app, client):
                                             messages=[{"role": "user", "content": "import os\n"}])
     chunks = iter(stream)
     next(chunks)
-    os.kill(_pid_of("Router"), signal.SIGKILL)  # as a crash or the OOM killer would
+    os.kill(replica_pid("Router"), signal.SIGKILL)  # as a crash or the OOM killer would
     with pytest.raises(Exception):  # noqa: B017, PT011 (the connection drops mid-stream: the SDK's transport error)
         for _ in chunks:
             pass
