@@ -257,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
             ray.init(address=args.address, ignore_reinit_error=True, logging_level="ERROR")
         else:
             ray.init(
+                address="local",  # this bench's own instance, not another on the machine
                 num_cpus=max(2, args.shards),
                 resources={"engram_host": args.shards},
                 object_store_memory=1 << 30,

@@ -94,7 +94,9 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
                 if (warning := ensure_private_token()) is not None:
                     logging.getLogger(__name__).warning(warning)
                 num_cpus = (num_cpus or os.cpu_count() or 1) + expert_worker_cpus(app_args)
-                ray.init(namespace="v41", object_store_memory=object_store_mb << 20, num_cpus=num_cpus,
+                # address "local": a new instance even where another runs on this machine
+                # (a `ray start` cluster, another v41): ray.init() alone would join that one.
+                ray.init(address="local", namespace="v41", object_store_memory=object_store_mb << 20, num_cpus=num_cpus,
                          include_dashboard=False, log_to_driver=False)
             else:
                 ray.init(address=address, namespace="v41", log_to_driver=False)
