@@ -90,13 +90,15 @@ class AppConfig(BaseModel):
     # one; on configs/small one drifts (greedy agreement 54.9% on held-out text) and
     # four agree (100%) for a rerun of 256 tokens: `v41 bench replay`, docs/engine.md.
     encoder_replay_windows: PositiveInt = 4
-    # The decoder pool runs each layer's per-token work compiled (AOTInductor; model/
-    # runtime/compiled.py): built when a replica first starts (~2.5 min on configs/small,
-    # kept in ~/.cache/v41/aot for the next start: a few s), decode steps x3-4 faster at
-    # batch 1; the prefill pool (unless its experts are split over workers) encodes in
-    # 128-token chunks through the same functions (x1.1-1.25 in the engine); needs a C++
-    # compiler; see docs/performance.md.
-    compiled_step: bool = False
+    # Each layer's per-token work compiled (AOTInductor; model/runtime/compiled.py) in
+    # every one-process replica: decode steps x3-4 faster at batch 1, and the prefill
+    # pool encodes in 128-token chunks through the same functions (x1.1-1.25). Its
+    # packages are built on a host's first start (~2.5 min on configs/small; `v41 serve`
+    # builds them before the app starts, saying so) and kept in ~/.cache/v41/aot for the
+    # next (a few s). None (the default): compiled where it can run (a C++ compiler on
+    # the host; a pool whose experts are split over workers runs eager), eager where not,
+    # saying why; True: compiled, an error where it cannot be; False: eager.
+    compiled_step: bool | None = None
     decoder_parallel: ParallelConfig = ParallelConfig()
     prefill_parallel: ParallelConfig = ParallelConfig()
     redis_url: str | None = None
@@ -161,7 +163,7 @@ class AppConfig(BaseModel):
     def _one_key(self) -> "AppConfig":
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give api_key or api_key_file, not both")
-        if self.compiled_step and self.decoder_parallel.experts > 1:
+        if self.compiled_step is True and self.decoder_parallel.experts > 1:
             raise ValueError("compiled_step runs every expert in the decoder's process: "
                              "it cannot be combined with decoder_parallel experts > 1")
         split = {pool: getattr(self, f"{pool}_parallel").experts for pool in ("decoder", "prefill")}
@@ -174,6 +176,12 @@ class AppConfig(BaseModel):
             raise ValueError(f"decoder_max_replicas ({self.decoder_max_replicas}) is below decoder_replicas "
                              f"({self.decoder_replicas})")
         return self
+
+    def compiles(self, parallel: ParallelConfig) -> bool:
+        """Whether a pool with ``parallel`` runs the compiled step on a host that can build
+        it: not with ``compiled_step`` False, nor with its experts split over workers
+        (their MoE runs in other processes, eager)."""
+        return self.compiled_step is not False and parallel.experts == 1
 
     def routed_experts(self) -> int:
         import json

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import sys
 import threading
 import time
 from pathlib import Path
 
-from actors.config import AppConfig
+from actors.config import AppConfig, ParallelConfig
 
 
 class ModelIdentity:
@@ -63,7 +64,7 @@ class ModelBundle(ModelIdentity):
         self.hasher = load_hasher(config.model, self.model_config)
         image_token_id = self.model_config.image_token_id if self.model_config.vision is not None else None
         self.engine = Engine(model, self.hasher, bounded_replay=not config.exact_replay,
-                             compiled=config.compiled_step and parallel.experts == 1, image_token_id=image_token_id,
+                             compiled=compiled_here(config, parallel), image_token_id=image_token_id,
                              restore_windows=None if config.exact_replay else config.encoder_replay_windows)
         if self.engine.compiled is not None:
             self.engine.warm_compiled()  # before any step is timed (the DSpark cost table) or served
@@ -121,6 +122,21 @@ def prompt_gil_handoff() -> None:
     (5 ms by default) asks it to let go; a replica's event loop, which waits on
     sockets and other threads many times per request, gets it back within 0.5 ms."""
     sys.setswitchinterval(5e-4)
+
+
+def compiled_here(config: AppConfig, parallel: ParallelConfig) -> bool:
+    """Whether a replica of a pool with ``parallel`` runs the compiled step here: unless
+    ``compiled_step`` is False or the pool's experts are split over workers (their MoE
+    runs in other processes: eager), and where this host has a C++ compiler to build
+    the packages with (else eager, saying why in the replica's log)."""
+    if not config.compiles(parallel):
+        return False
+    from model.runtime.aot import compiler_problem
+
+    if (problem := compiler_problem()) is not None:
+        logging.getLogger(__name__).warning("compiled step: %s; this replica runs the eager step", problem)
+        return False
+    return True
 
 
 class EngineThread(concurrent.futures.ThreadPoolExecutor):

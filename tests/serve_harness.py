@@ -29,8 +29,10 @@ RUNTIME_CPUS = 6
 
 def app_config(tmp_path: Path, args: dict) -> dict:
     """The app's arguments: the golden model, its stores under ``tmp_path``, 32-token
-    chunks, then ``args``."""
-    return {"model": str(GOLDEN), "ssd_dir": str(tmp_path / "ssd-{node}"), "chunk_tokens": 32, **args}
+    chunks, the eager step (tests/integration/test_compiled.py serves the compiled one),
+    then ``args``."""
+    return {"model": str(GOLDEN), "ssd_dir": str(tmp_path / "ssd-{node}"), "chunk_tokens": 32,
+            "compiled_step": False, **args}
 
 
 @contextlib.contextmanager

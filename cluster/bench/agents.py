@@ -249,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
             app_args = {"model": str(model), "routing": policy, "prefill_replicas": args.raylets,
                         "decoder_replicas": args.raylets, "prefill_resources": {"prefill_host": 1},
                         "decoder_resources": {"decoder_host": 1}, "speculation": args.speculation,
-                        "max_model_len": args.depth + 8192, "ssd_dir": f"{cache_root}/{policy}/{{node}}"}
+                        "max_model_len": args.depth + 8192, "ssd_dir": f"{cache_root}/{policy}/{{node}}",
+                        "compiled_step": False}  # (the step is `bench serve`'s business: eager here)
             with local_app(app_args, port=port, address=cluster.address):
                 turns, elapsed = asyncio.run(_workload(f"http://127.0.0.1:{port}", name, args))
                 hits = {tier: row["hits"] for tier, row in tier_totals().items()}

@@ -163,7 +163,7 @@ def _compiled_vs_eager(args: argparse.Namespace) -> dict:
     for batch in (1, 2, 16):  # compile the step's shapes (the first decode of each count), then warm both
         tokens_per_s(fast, batch, 2)
     compile_s = time.perf_counter() - started
-    built = [seconds for function in fast.compiled.functions.values() for seconds in function.built]
+    built = [seconds for function in fast.compiled.functions.values() for seconds in function.built.values()]
     tokens_per_s(eager, 16, 2)
     rows, out = {}, {"compiled_checkpoint": str(args.checkpoint), "compile_s": round(compile_s, 1),
                      "packages_built": len(built)}

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     port = free_port()
     cache_dir = tempfile.mkdtemp(prefix="v41-bench-load-")
     app_args = {"model": str(model), "ssd_dir": cache_dir + "/{node}", "max_batch": args.max_batch,
-                "max_queued_requests": args.max_queued}
+                "max_queued_requests": args.max_queued, "compiled_step": False}  # (admission, not the step)
     name = AppConfig.from_args({"model": str(model)}).model_name
     try:
         with local_app(app_args, port=port):

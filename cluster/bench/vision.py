@@ -124,7 +124,7 @@ def _ttft(model: Path, workdir: Path, repeats: int) -> dict:
 
     port = free_port()
     args = {"model": str(model), "ssd_dir": str(workdir / "ssd-{node}"), "speculation": "off",
-            "model_name": "deepseek-v4.1-small"}
+            "model_name": "deepseek-v4.1-small", "compiled_step": False}  # (eager: as its tables were measured)
     from model.config import ModelConfig
     from model.vision import plan_image
 

@@ -15,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+from cluster.cli.step_packages import decoder_step, ready_compiled_step
 from cluster.serving.local import default_model, local_app, serve_environment
 
 API_KEY_ENV = "V41_API_KEY"
@@ -58,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its own slot in its v41-slots/ subfolder (0700, files 0600), nothing else in it is touched")
     parser.add_argument("--exact-replay", action="store_true", default=None,
                         help="replay whole prompts through the decoder, and rebuild expired windows exactly")
-    parser.add_argument("--compiled-step", action="store_true", default=None,
-                        help="run each layer's per-token work compiled in both pools (AOTInductor, built at start)")
+    parser.add_argument("--compiled-step", action=argparse.BooleanOptionalAction, default=None,
+                        help="run each layer's per-token work compiled in both pools (AOTInductor; the default "
+                        "where a C++ compiler is at hand: its packages are built on a first start, then reused)")
     for pool in ("decoder", "prefill"):
         parser.add_argument(f"--{pool}-experts", type=int, default=None, metavar="N",
                             help=f"split each {pool} replica over N workers sharing the routed experts (default 1)")
@@ -225,13 +227,16 @@ def run(args: argparse.Namespace) -> int:
 
     handle_signals()
     try:
+        app_args = ready_compiled_step(app_args)
+        step = decoder_step(app_args)
         with local_app(app_args, args.host, args.port, args.object_store_mb, address=args.address,
                        on_ray_starting=on_ray_starting, on_ray_started=on_ray_started):
             handle_signals()  # Serve's start may have set its own
             serving = True
             if stopping:
                 raise _Stopped()
-            print(f"v41 serving {app_args['model']} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+            print(f"v41 serving {app_args['model']} at http://{args.host}:{args.port}/v1 ({step}; Ctrl-C stops)",
+                  flush=True)
             while not stopping:
                 time.sleep(0.2)
             print("v41: stopping", flush=True)

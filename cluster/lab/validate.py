@@ -92,7 +92,8 @@ def _replay_live(model: Path, rows: list[dict], vocab: int, settings: Slice) -> 
 
     app_args = {"model": str(model), "chunk_tokens": workload.CHUNK_TOKENS,
                 "ram_capacity_bytes": int(settings.ram_mb * (1 << 20)),
-                "max_model_len": settings.max_prompt_tokens + settings.max_tokens + 64, "speculation": "off"}
+                "max_model_len": settings.max_prompt_tokens + settings.max_tokens + 64, "speculation": "off",
+                "compiled_step": False}  # (the counters do not depend on the step)
     restart_at = len(rows) // 2 if settings.restart else None
     cache_dir = tempfile.mkdtemp(prefix="v41-cache-sim-validate-")
     app_args["ssd_dir"] = cache_dir + "/{node}"

@@ -19,7 +19,9 @@ a digest of everything that determines their code: the sources of the modules th
 functions call, torch's version, the CPU's vector instruction set, the function, its
 non-tensor arguments and its tensors' static shapes and dtypes. A package is written
 to a temporary name and renamed into place, so a reader sees all of one or none; one
-that fails to load is built again.
+that fails to load is built again. Builds take a lock per package, so processes starting
+together (the replicas of a pool) build each package once. Each build logs a line
+(``model.runtime.aot``): `v41 serve` shows them as a first start's progress.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import inspect
+import logging
 import os
 import shutil
 import tempfile
@@ -40,12 +43,26 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
+log = logging.getLogger(__name__)  # a line per package built: a first start's progress
+
 
 def default_cache_dir() -> Path:
     """``$V41_AOT_CACHE``, else ``$XDG_CACHE_HOME/v41/aot`` (``~/.cache/v41/aot``)."""
     if os.environ.get("V41_AOT_CACHE"):
         return Path(os.environ["V41_AOT_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "v41" / "aot"
+
+
+def compiler_problem() -> str | None:
+    """Why no package can be built on this host (no working C++ compiler), or None."""
+    from torch._inductor import config, cpp_builder, exc
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        names = [name for name in (config.cpp.cxx if isinstance(config.cpp.cxx, tuple) else (config.cpp.cxx,)) if name]
+        return f"no working C++ compiler ({', '.join(names)} --version failed; set CXX to one)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -156,7 +173,12 @@ class AotFunction:
         self.fn, self.cache_dir, self.source_digest = fn, cache_dir, source_digest
         self._variants: dict[object, tuple[Callable, list[int], frozenset[int]]] = {}
         self._runners: dict[Path, Callable] = {}  # one loaded package per signature
-        self.built: list[float] = []  # seconds each package this process built took
+        self.built: dict[Path, float] = {}  # the packages this process built: seconds each took
+
+    @property
+    def packages(self) -> frozenset[Path]:
+        """The packages this process has loaded or built."""
+        return frozenset(self._runners)
 
     def __call__(self, variant: object, dims: Callable[[], Dims], *args):
         """Run ``fn(*args)``; ``dims`` gives the variant's dynamic dimensions on its first call."""
@@ -190,11 +212,20 @@ class AotFunction:
         return runner, places, copy
 
     def _load_or_build(self, path: Path, args: Sequence, dims: Dims, places: list[int]) -> Callable:
-        if path.exists():
-            try:
-                return _Package(path)
-            except Exception:  # noqa: BLE001 (a torn or foreign package is a miss: built again below)
-                path.unlink(missing_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # One build per package: another process building it now (a second replica
+        # starting beside this one) is waited for, and its package loaded.
+        with os.fdopen(os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():
+                try:
+                    return _Package(path)
+                except Exception:  # noqa: BLE001 (a torn or foreign package is a miss: built again below)
+                    path.unlink(missing_ok=True)
+            return self._build(path, args, dims, places)
+
+    def _build(self, path: Path, args: Sequence, dims: Dims, places: list[int]) -> Callable:
+        log.info("building %s (%d built so far by this process)", path.name, len(self.built))
         started = time.perf_counter()
         examples = tuple(None if args[i] is None else _example(args[i], dims.get(i, {})) for i in places)
         symbols: dict[str, torch.export.Dim] = {}
@@ -208,7 +239,6 @@ class AotFunction:
                        {axis: symbol(dim) for axis, dim in dims.get(i, {}).items() if dim.low != dim.high}
                        for i in places)
         bound = _Bound(self.fn, args, places)
-        path.parent.mkdir(parents=True, exist_ok=True)
         handle, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".partial.pt2")
         os.close(handle)
         try:
@@ -220,7 +250,8 @@ class AotFunction:
         finally:
             if os.path.exists(partial):
                 os.unlink(partial)
-        self.built.append(time.perf_counter() - started)
+        self.built[path] = time.perf_counter() - started
+        log.info("built %s in %.1f s", path.name, self.built[path])
         return _Package(path)
 
 

@@ -272,7 +272,8 @@ def test_a_redeploy_with_new_store_settings_applies_them(app, client):
     assert before.startswith(str(root / "ssd-"))
     elsewhere = root / "moved"
     serve.run(build_app({"model": str(Path(__file__).parents[1] / "golden" / "A"), "chunk_tokens": 32,
-                         "speculation": "off", "ssd_dir": str(elsewhere / "{node}"), "redis_url": supervisor.server.url,
+                         "speculation": "off", "compiled_step": False, "ssd_dir": str(elsewhere / "{node}"),
+                         "redis_url": supervisor.server.url,
                          "window_ttl_minutes": 7.0, "max_batch": 1, "max_queued_requests": 1}),
               name="v41", route_prefix="/")
     after = ray.get(store.ssd_dir.remote())

@@ -21,6 +21,7 @@ from tests.serve_harness import one_process_greedy
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SMALL = Path(__file__).resolve().parents[2] / "configs" / "small"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "A"
 
 
 @contextlib.contextmanager
@@ -45,8 +46,9 @@ def test_serve_command_starts_serves_and_stops_everything(tmp_path):
                        "temperature": 0}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"content-type": "application/json"})
-    with _serving(port, tmp_path) as line:
-        assert f"http://127.0.0.1:{port}/v1" in line
+    # (the eager step: the compiled one's first start on this model builds for minutes)
+    with _serving(port, tmp_path, "--no-compiled-step") as line:
+        assert f"http://127.0.0.1:{port}/v1 (eager step;" in line
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as response:
             assert json.loads(response.read())["status"] == "ok"
         # A greedy completion through the speculative decoder equals plain decoding.
@@ -54,8 +56,11 @@ def test_serve_command_starts_serves_and_stops_everything(tmp_path):
             answer = json.loads(response.read())
         assert answer["usage"]["completion_tokens"] == 24
         assert answer["choices"][0]["text"] == one_process_greedy(SMALL, prompt, 24)
-    # Started again at once on the same port (the old connections' sockets linger on it).
-    with _serving(port, tmp_path, "--speculation", "off"):
+    # Started again at once on the same port (the old connections' sockets linger on it),
+    # with no step named: the compiled one (the golden model's packages, which
+    # tests/integration/test_compiled.py builds too: built once, by whichever is first).
+    with _serving(port, tmp_path, "--model", str(GOLDEN)) as line:
+        assert "(compiled step;" in line
         with urllib.request.urlopen(request, timeout=120) as response:
             assert json.loads(response.read())["usage"]["completion_tokens"] == 24
 
@@ -67,7 +72,7 @@ def test_a_signal_while_starting_stops_everything_started(tmp_path, started):
     seconds and begins by setting a SIGTERM handler that exits: a SIGTERM then unwound it
     half-way (exit code 15) and left the Ray processes it had started running; it now
     waits until Ray is up. Either way, a clean exit and nothing left."""
-    process = _start(free_port(), tmp_path)
+    process = _start(free_port(), tmp_path, "--no-compiled-step")
     try:
         deadline = time.time() + 120
         while not subprocess.run(["pgrep", "-s", str(process.pid), "-f", started], capture_output=True,
@@ -91,8 +96,9 @@ def _start(port: int, tmp_path, *extra: str) -> subprocess.Popen:
 
 
 def _wait_serving(process: subprocess.Popen) -> str:
-    """The line announcing the URL (the only URL it prints: not Serve's proxy's)."""
-    deadline = time.time() + 240
+    """The line announcing the URL (the only URL it prints: not Serve's proxy's). (A
+    compiled step's first start builds its packages first: minutes on a loaded machine.)"""
+    deadline = time.time() + 480
     lines = [""]
     while "serving" not in lines[-1]:
         assert time.time() < deadline and process.poll() is None, "v41 serve did not come up"

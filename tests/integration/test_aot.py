@@ -67,7 +67,7 @@ def test_a_new_process_loads_the_package_and_a_torn_one_is_built_again(built):
     again = aot.AotFunction(_mix, directory, "test")
     want = _mix(x, weight, None, 0.5, True)[0]
     assert torch.allclose(again("a", lambda: TOKENS, x, weight, None, 0.5, True)[0], want, atol=1e-6)
-    assert again.built == []  # loaded, not built
+    assert again.built == {}  # loaded, not built
     path = next(p for p in directory.glob("*.pt2") if p.stat().st_size)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     torn = aot.AotFunction(_mix, directory, "test")
@@ -86,7 +86,7 @@ def test_a_loaded_package_leaves_no_copy_in_the_temp_folder(built, tmp_path, mon
     loaded = aot.AotFunction(_mix, directory, "test")
     x = torch.randn(3, 4)
     got = loaded("a", lambda: TOKENS, x, weight, None, 0.5, True)
-    assert loaded.built == [] and [p.name for p in tmp_path.iterdir()] == [f"v41-aot-load-{os.getuid()}.lock"]
+    assert loaded.built == {} and [p.name for p in tmp_path.iterdir()] == [f"v41-aot-load-{os.getuid()}.lock"]
     assert torch.allclose(got[0], _mix(x, weight, None, 0.5, True)[0], atol=1e-6)
     x = torch.randn(9, 4)  # and it keeps running without the copy
     assert torch.allclose(loaded("a", lambda: TOKENS, x, weight, None, 0.5, True)[0],

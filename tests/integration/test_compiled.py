@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -135,7 +136,7 @@ def test_compiled_step_is_an_app_setting_both_pools_warm_at_start(golden_dir, go
 
     config = AppConfig(model=str(golden_dir), compiled_step=True, ssd_dir=None)
     decoder, prefill = ModelBundle(config), ModelBundle(config, drop_decoder=True)
-    eager = ModelBundle(AppConfig(model=str(golden_dir), ssd_dir=None), drop_decoder=True)
+    eager = ModelBundle(AppConfig(model=str(golden_dir), compiled_step=False, ssd_dir=None), drop_decoder=True)
     assert decoder.engine.compiled is not None and prefill.engine.compiled is not None
     assert eager.engine.compiled is None
     # (draft_attention is the DSpark drafter's, warmed with it; the golden model has none)
@@ -154,6 +155,51 @@ def test_compiled_step_is_an_app_setting_both_pools_warm_at_start(golden_dir, go
     decoder.engine.decode([(cache, [43]) for cache in caches])
     decoder.engine.decode([(caches[1], list(range(100, 120)))])  # the MoE's other form
     assert [len(function._variants) for function in functions] == variants  # built at start, not by requests
+
+
+def test_v41_serve_readies_both_pools_packages_and_a_second_start_builds_none(golden_dir):
+    """`v41 serve` builds or loads the compiled step's packages (both pools') before the
+    app starts, a line per package built; a second start loads every one and builds none."""
+    from cluster.cli.step_packages import decoder_step, ready_compiled_step
+
+    args = {"model": str(golden_dir), "ssd_dir": None}
+    starts = [[], []]
+    for said in starts:
+        assert ready_compiled_step(args, said.append) == args and decoder_step(args) == "compiled step"
+    (built, loaded), again = [tuple(map(int, re.search(r"\((\d+) packages built, (\d+) loaded", said[-1]).groups()))
+                              for said in starts]
+    assert again == (0, built + loaded) and built + loaded >= 8  # (8 signatures: 4 functions, 2 MoE forms)
+    assert len([line for line in starts[0] if line.startswith("v41:   built ")]) == built
+    assert len(starts[1]) == 1
+
+
+@pytest.fixture
+def no_compiler(monkeypatch):
+    """A host without a C++ compiler: inductor's search finds none (``false --version`` fails)."""
+    from torch._inductor import config, cpp_builder
+
+    monkeypatch.setattr(config.cpp, "cxx", ("false",))
+    cpp_builder.cpp_compiler_search.cache_clear()
+    yield
+    cpp_builder.cpp_compiler_search.cache_clear()
+
+
+def test_without_a_compiler_the_server_says_so_and_serves_the_eager_step(golden_dir, no_compiler):
+    from actors.config import AppConfig
+    from actors.replica import ModelBundle
+    from cluster.cli.step_packages import decoder_step, ready_compiled_step
+
+    said = []
+    args = ready_compiled_step({"model": str(golden_dir), "ssd_dir": None}, said.append)
+    assert args["compiled_step"] is False and decoder_step(args) == "eager step"
+    assert said == ["v41: no working C++ compiler (false --version failed; set CXX to one): "
+                    "serving the eager step (decoding ~2-3x slower)"]
+    # A replica a deploy config starts on such a host runs eager too (its log says why).
+    assert ModelBundle(AppConfig(model=str(golden_dir), ssd_dir=None)).engine.compiled is None
+    # Asked for the eager step, nothing is built, loaded or said.
+    said.clear()
+    eager = {"model": str(golden_dir), "ssd_dir": None, "compiled_step": False}
+    assert ready_compiled_step(eager, said.append) == eager and said == []
 
 
 def test_the_drafter_runs_compiled_and_drafts_as_the_eager_one(engines, golden_model):

@@ -31,6 +31,13 @@ def test_defaults_are_the_shipped_model_and_a_local_cache(monkeypatch):
     assert args == {"model": str(ROOT / "configs" / "small"), "ssd_dir": slots_template(cache_home().resolve())}
 
 
+def test_the_step_is_left_to_the_host_unless_a_flag_names_it(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert "compiled_step" not in parse() and AppConfig.from_args(parse()).compiled_step is None
+    assert parse("--no-compiled-step")["compiled_step"] is False
+    assert parse("--compiled-step")["compiled_step"] is True
+
+
 def test_a_serve_yaml_gives_its_first_applications_args_and_flags_win(tmp_path, monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     yaml_args = yaml.safe_load((ROOT / "configs" / "serve-local.yaml").read_text())["applications"][0]["args"]
