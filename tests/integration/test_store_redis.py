@@ -136,8 +136,12 @@ def test_redis_killed_mid_run_then_restarted(tmp_path: Path, redis_server: Redis
 
         redis_server.start()  # same port, empty: a new server run
         with node("b", redis_server.url, tmp_path / "b") as b:
-            assert wait_for(lambda: b.lookup_prefix(KEYS).chunks == 20)  # a caught the index up
-            assert all(Location("a", TierName.SSD) in hit.locations for hit in b.lookup_prefix(KEYS).hits)
+
+            def on_ssd() -> bool:  # (the SSD copies are written behind RAM: their entries may come later)
+                found = b.lookup_prefix(KEYS)
+                return found.chunks == 20 and all(Location("a", TierName.SSD) in hit.locations for hit in found.hits)
+
+            assert wait_for(on_ssd)  # a caught the index up, every chunk's SSD copy included
         assert a.stats().index_resyncs >= 2 and a.stats().index_pending == 0
         assert all(a.get(key) == data[key] for key in KEYS[:20])
         a.put(KEYS[20], b"after")
