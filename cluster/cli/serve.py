@@ -187,8 +187,10 @@ def app_arguments(args: argparse.Namespace) -> dict:
     return app_args
 
 
-class _Stopped(Exception):
-    """SIGINT or SIGTERM while starting."""
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM while starting: a BaseException, as KeyboardInterrupt is, so that
+    no ``except Exception`` on the way (the compiled step's build falling back to eager)
+    takes it for a failure."""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -66,7 +66,8 @@ def ready_compiled_step(app_args: dict, say: Callable[[str], None] = _say) -> di
     progress = _Progress(say, aot.default_cache_dir())
     logger = logging.getLogger(aot.__name__)
     logger.addHandler(progress)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)
     try:
         functions = []
         for drop_decoder in pools:
@@ -82,7 +83,7 @@ def ready_compiled_step(app_args: dict, say: Callable[[str], None] = _say) -> di
         return {**app_args, "compiled_step": False}
     finally:
         logger.removeHandler(progress)
-        logger.level = level
+        logger.setLevel(level)
     packages = frozenset().union(*(function.packages for function in functions))
     built = frozenset().union(*(function.built for function in functions))
     say(f"v41: compiled step ready in {time.perf_counter() - started:.1f} s "

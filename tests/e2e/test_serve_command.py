@@ -89,6 +89,30 @@ def test_a_signal_while_starting_stops_everything_started(tmp_path, started):
     _nothing_left(process)
 
 
+def test_a_signal_while_the_compiled_step_builds_stops_everything_and_keeps_no_half_package(tmp_path, monkeypatch):
+    """Ctrl-C during a first start's build (minutes): a clean stop, not an eager start
+    (the stop used to be an Exception, which the build's fallback would have caught);
+    no package, finished or partial, is left in the cache."""
+    cache = tmp_path / "aot"
+    monkeypatch.setenv("V41_AOT_CACHE", str(cache))  # a cold cache: the first package builds
+    process = _start(free_port(), tmp_path, "--model", str(GOLDEN))
+    try:
+        lines = [""]
+        while "building the compiled step's packages" not in lines[-1]:
+            assert process.poll() is None, lines
+            lines.append(process.stdout.readline())
+        time.sleep(2)  # (inside the first build)
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=90)
+        output = process.stdout.read()
+        assert code == 0 and "stopped while starting" in output and "eager" not in output, (code, output[-3000:])
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    _nothing_left(process)
+    assert all(path.suffix == ".lock" for path in cache.iterdir())
+
+
 def _start(port: int, tmp_path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--cache-dir", str(tmp_path / "cache"),
