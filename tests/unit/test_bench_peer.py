@@ -10,14 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 
-from cluster.bench.peer import _agreement, prompt_ids, reference_missing, run_v41
+from cluster.bench.peer import _agreement, float_copy, needs_float_copy, prompt_ids, reference_missing, run_v41
 from model.config import ModelConfig
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden" / "A"
+SMALL = ROOT / "configs" / "small"
 
 
 def test_v41_side_generates_the_references_greedy_tokens():
@@ -29,6 +32,28 @@ def test_v41_side_generates_the_references_greedy_tokens():
         assert out["tokens"] == expected[index]
         assert out["prefill_s"] > 0 and out["decode_tokens_per_s"] > 0
         assert out["peak_rss_mb"] >= out["rise_rss_mb"] >= 0
+
+
+def test_a_quantised_checkpoint_is_run_as_a_float_copy_of_the_same_weights(tmp_path):
+    """configs/small (FP8/FP4, the composite layout) becomes the flat float32 text
+    layout the reference loads: every parameter the value v41's loader reads from the
+    original, the same greedy tokens from v41's engine on either."""
+    from model.loader import load_checkpoint
+
+    assert needs_float_copy(SMALL) and not needs_float_copy(GOLDEN)
+    copy = float_copy(SMALL, tmp_path / "float")
+    raw = json.loads((copy / "config.json").read_text())
+    assert raw["model_type"] == "deepseek_v41_text" and "quantization_config" not in raw and "text_config" not in raw
+    assert not needs_float_copy(copy)
+    with safe_open(copy / "model.safetensors", "pt") as weights:  # (transformers maps every name but the head's)
+        assert "lm_head.weight" in weights.keys() and "head.weight" not in weights.keys()
+    original, floats = load_checkpoint(SMALL, vision=False), load_checkpoint(copy)
+    assert floats.vision is None and floats.drafter is not None
+    for part in ("backbone", "drafter"):
+        want, got = getattr(original, part).state_dict(), getattr(floats, part).state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), part
+    ids = prompt_ids(ModelConfig.load(SMALL), 40, seed=1)
+    assert run_v41(copy, ids, 8, compiled=False)["tokens"] == run_v41(SMALL, ids, 8, compiled=False)["tokens"]
 
 
 def test_prompts_are_seeded_ordinary_tokens():
@@ -54,9 +79,10 @@ def _bench(*argv: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_the_bench_runs_each_side_in_its_own_process():
-    done = _bench("--lengths", "24,40", "--new-tokens", "3", "--pairs", "2", "--json")
+    done = _bench("--lengths", "24,40", "--new-tokens", "3", "--pairs", "1", "--exact-replay", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["step"] == "compiled" and result["exact_replay"] and not result["float_copy"]
     missing = reference_missing()
     assert result["reference_missing"] == missing
     assert set(result["lengths"]) == {"24", "40"}
