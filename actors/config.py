@@ -97,7 +97,7 @@ class AppConfig(BaseModel):
     # builds them before the app starts, saying so) and kept in ~/.cache/v41/aot for the
     # next (a few s). None (the default): compiled where it can run (a C++ compiler on
     # the host; a pool whose experts are split over workers runs eager), eager where not,
-    # saying why; True: compiled, an error where it cannot be; False: eager.
+    # saying why; True: the same, and an error with split decoder experts; False: eager.
     compiled_step: bool | None = None
     decoder_parallel: ParallelConfig = ParallelConfig()
     prefill_parallel: ParallelConfig = ParallelConfig()
