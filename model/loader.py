@@ -282,8 +282,11 @@ def _rebuild_rotary(module: torch.nn.Module) -> None:
         module.inv_freq = inv_frequencies(module.spec, module.rope_dim)
 
 
-def save_checkpoint(directory: str | Path, checkpoint: Checkpoint, quantize: bool = True) -> None:
-    """Write ``config.json`` and ``model.safetensors`` in the released layout and names.
+def save_checkpoint(directory: str | Path, checkpoint: Checkpoint, quantize: bool = True,
+                    hugging_face_names: bool = False) -> None:
+    """Write ``config.json`` and ``model.safetensors`` in the released layout and names
+    (with ``hugging_face_names``, transformers' names: ``model.`` before every name but
+    the output head's, ``lm_head.weight``, as tests/golden/A holds them).
 
     With ``quantize``, 2-D projection matrices become FP8 with UE8M0 scales per 32x32
     tile, routed experts FP4 with UE8M0 per 32, Engram rows FP8 with UE8M0 per 32, the
@@ -298,7 +301,7 @@ def save_checkpoint(directory: str | Path, checkpoint: Checkpoint, quantize: boo
     for module in modules:
         params = dict(module.named_parameters())
         for name, param in params.items():
-            full = "head" + name[len("lm_head") :] if name.startswith("lm_head.") else name
+            full = _stored_name(name, hugging_face_names)
             tensor = param.detach().to("cpu", torch.float32).contiguous()
             if quantize and name.endswith(".engram.embed.scale"):
                 rows = name[: -len(".scale")] + ".weight"
@@ -314,6 +317,13 @@ def save_checkpoint(directory: str | Path, checkpoint: Checkpoint, quantize: boo
                 tensors[full] = tensor
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config_to_dict(checkpoint.config), indent=2) + "\n")
+
+
+def _stored_name(name: str, hugging_face: bool) -> str:
+    """Parameter name -> the name it is saved under (the inverse of :func:`_module_name`)."""
+    if name.startswith("lm_head."):
+        return name if hugging_face else "head" + name[len("lm_head") :]
+    return _PREFIX + name if hugging_face else name
 
 
 def _quantise(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,18 +94,13 @@ def float_copy(checkpoint: Path, out: Path) -> Path:
     float32 as v41's loader dequantises it, the config flat (``deepseek_v41_text``)."""
     from dataclasses import replace
 
-    from safetensors.torch import load_file, save_file
-
     from model.loader import load_checkpoint, save_checkpoint
 
     loaded = load_checkpoint(checkpoint, vision=False)
     text_only = replace(loaded.config, vision=None, image_token_id=None, quantization=None)
-    save_checkpoint(out, replace(loaded, config=text_only, vision=None), quantize=False)
-    # The released layout's output head is ``head.weight``; transformers maps every other
-    # name, not that one (it would start from a random ``lm_head``): the Hugging Face name.
-    weights = load_file(out / "model.safetensors")
-    weights["lm_head.weight"] = weights.pop("head.weight")
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    # transformers' names: it maps the released ones but the head's (``head.weight``), and
+    # would start from a random ``lm_head``.
+    save_checkpoint(out, replace(loaded, config=text_only, vision=None), quantize=False, hugging_face_names=True)
     flat = {**loaded.config.text.to_dict(), "architectures": ["DeepseekV41ForCausalLM"],
             "model_type": "deepseek_v41_text", "dtype": "float32"}
     (out / "config.json").write_text(json.dumps(flat, indent=2) + "\n")
