@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 import llguidance
-import llguidance.torch
 import torch
 
 from ..tools import CALLS_CLOSE, CALLS_MARKER, DSML, INVOKE_CLOSE, INVOKE_OPEN, PARAMETER_CLOSE, PARAMETER_OPEN
@@ -169,7 +168,10 @@ class Constraint:
         self.matcher, self.vocab_size, self.eos_token = matcher, vocab_size, eos_token
         self.after = tuple(after)
         self.seen = 0  # how many of ``after`` have come
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, grammar_vocab)
+        # One bit a token, 32 to a word (llguidance's layout). (Not through llguidance.torch:
+        # that module compiles a kernel at import, which loads dynamo and inductor, seconds
+        # in every process that imports this one.)
+        self._bitmask = torch.full(((grammar_vocab + 31) // 32,), -1, dtype=torch.int32)
         self._saved: int | None = None  # ``seen`` before a look-ahead (None: none running)
         self._tentative = 0  # tokens a look-ahead consumed
 
@@ -186,9 +188,8 @@ class Constraint:
         """bool [vocab]: the tokens allowed next (None: not constrained yet)."""
         if not self.active:
             return None
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        bits = self._bitmask[0].view(torch.int32)
-        allowed = ((bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
+        allowed = ((self._bitmask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()
         out = torch.zeros(self.vocab_size, dtype=torch.bool)
         width = min(self.vocab_size, allowed.shape[0])
         out[:width] = allowed[:width]
