@@ -14,6 +14,7 @@ The safetensors files themselves are read by :mod:`model.checkpoint_files`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 from . import formats
 from .checkpoint_files import CheckpointError, checkpoint_files, file_header, read_tensors, tensor_index
@@ -144,16 +146,28 @@ class Checkpoint:
     stored: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
 
-def build_modules(config: ModelConfig, device: str | torch.device = "cpu") -> Checkpoint:
-    """The modules a config describes, uninitialised, on ``device`` (``meta`` allowed)."""
+def build_modules(config: ModelConfig, device: str | torch.device = "cpu", initialise: bool = True) -> Checkpoint:
+    """The modules a config describes, on ``device`` (``meta``: shapes without memory).
+    Without ``initialise`` torch's initialisers are skipped: the parameters keep the
+    memory they were allocated, for a load to fill."""
     from .dspark import DSparkDrafter
     from .vision import VisionTower
 
-    with torch.device(device):
+    with torch.device(device), contextlib.nullcontext() if initialise else _Unfilled():
         backbone = Transformer(config.text)
         drafter = DSparkDrafter(config.text) if config.text.num_nextn_predict_layers else None
         vision = VisionTower(config.vision, config.text) if config.vision is not None else None
     return Checkpoint(config, backbone, drafter, vision)
+
+
+class _Unfilled(TorchFunctionMode):
+    """``torch.nn.init``'s fills do nothing (each returns its tensor as it is)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 # Tensor-name prefixes of the optional parts (after ``model.``): a checkpoint holds all of
@@ -177,18 +191,22 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", k
     """
     directory = Path(directory)
     config = config or ModelConfig.load(directory)
-    meta = build_modules(config, "meta")
+    # Built in memory, unfilled (a part the checkpoint lacks is allocated, never touched,
+    # and dropped). A lead worker's shard is built on meta first, its experts cut to the
+    # shard's before any memory is given. (A meta build costs 1.5 s more a process: torch
+    # runs its random fills and factories on meta in Python, which imports dynamo.)
+    built = build_modules(config, initialise=False) if shard is None else build_modules(config, "meta")
     if shard is not None:
         if shard.rank != 0:
             raise ValueError("load_checkpoint loads the lead worker's share; the others load_experts")
-        for block in meta.backbone.layers:
+        for block in built.backbone.layers:
             block.ffn.experts = _expert_table(block.ffn.experts, shard.experts)
     names = [_module_name(entry.name) for entry in tensor_index(directory)]
     present = {part: any(n.startswith(prefixes) for n in names) for part, prefixes in _PART_PREFIXES.items()}
     present["vision"] = present["vision"] and vision
     parts = {
-        name: module.to_empty(device="cpu")
-        for name, module in (("backbone", meta.backbone), ("drafter", meta.drafter), ("vision", meta.vision))
+        name: module if shard is None else module.to_empty(device="cpu")
+        for name, module in (("backbone", built.backbone), ("drafter", built.drafter), ("vision", built.vision))
         if module is not None and present.get(name, True)
     }
     for module in parts.values():  # rotary tables are buffers no checkpoint stores
