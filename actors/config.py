@@ -69,7 +69,10 @@ class AppConfig(BaseModel):
     # beyond this many waiting, a request is answered 429 with Retry-After.
     max_queued_requests: PositiveInt = 256
     max_request_bytes: PositiveInt = 4 << 20  # a bigger body is answered 413 before it is read
-    max_tokens_default: PositiveInt = 256
+    # The most tokens an answer may have (None: the room the context leaves). A request
+    # that sets no length (chat, Responses) gets the room its prompt leaves, at most this;
+    # one asking for more is a 400.
+    max_answer_tokens: PositiveInt | None = None
     # Images (a model with a vision tower): per request at most this many, each at most
     # this many encoded bytes and decoded pixels, and all of them at most
     # max_request_image_pixels (a 1-bit PNG of a few KB decodes to 3 bytes a pixel);

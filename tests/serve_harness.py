@@ -30,9 +30,10 @@ RUNTIME_CPUS = 6
 def app_config(tmp_path: Path, args: dict) -> dict:
     """The app's arguments: the golden model, its stores under ``tmp_path``, 32-token
     chunks, the eager step (tests/integration/test_compiled.py serves the compiled one),
-    then ``args``."""
+    answers of at most 256 tokens (the golden model's weights are random: an answer that
+    sets no length would run to the end of the context), then ``args``."""
     return {"model": str(GOLDEN), "ssd_dir": str(tmp_path / "ssd-{node}"), "chunk_tokens": 32,
-            "compiled_step": False, **args}
+            "compiled_step": False, "max_answer_tokens": 256, **args}
 
 
 @contextlib.contextmanager

@@ -26,6 +26,8 @@ _FLAGS = (
     ("--max-batch", "max_batch", int, "requests per decoder batch (default 16)"),
     ("--max-queued", "max_queued_requests", int, "requests waiting for a batch before 429 (default 256)"),
     ("--max-model-len", "max_model_len", int, "context length in tokens (default 16384)"),
+    ("--max-answer-tokens", "max_answer_tokens", int,
+     "the most tokens an answer may have (default: the room its prompt leaves in the context)"),
     ("--prefill-replicas", "prefill_replicas", int, "prefill pool replicas (default 1)"),
     ("--decoder-replicas", "decoder_replicas", int, "decoder pool replicas (default 1)"),
     ("--ram-gb", "ram_capacity_bytes", float, "host RAM for cached state per node, GiB (default 10%% of RAM)"),

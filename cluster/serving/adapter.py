@@ -51,11 +51,12 @@ class Totals:
 @dataclass(frozen=True)
 class Model:
     """What parsing knows of the model: its name (requests name it, answers carry it),
-    the answer's length when a request leaves it out, the vocabulary's size, how an
-    image is read (None: the model reads none) and how many a request may have."""
+    the most tokens the server lets an answer have (None: the context's room), the
+    vocabulary's size, how an image is read (None: the model reads none) and how many a
+    request may have."""
 
     name: str
-    default_max: int
+    max_answer: int | None
     vocab_size: int
     read_image: Callable | None = None
     max_images: int = 0

@@ -85,7 +85,7 @@ class Router:
         self.records = Records(partial(node_store, config.store_settings(), model.naming.fingerprint.digest),
                                peer_store, node_id, index, link)
         self.conversations = Conversations(self.records)
-        parsing = Model(config.model_name, config.max_tokens_default, model_config.text.vocab_size,
+        parsing = Model(config.model_name, config.max_answer_tokens, model_config.text.vocab_size,
                         self.prompts.image_reader, config.max_images_per_request)
         self.chat_api = ChatAdapter(parsing, self._count, self.metrics.record)
         self.completions_api = CompletionsAdapter(parsing, self._count, self.metrics.record)
@@ -190,8 +190,8 @@ class Router:
         data = await asyncio.to_thread(parse_json, body)
         history = await adapter.history(data)
         request, parsed, tokens = await asyncio.to_thread(self._prepare, adapter, data, history)
+        request = self.prompts.fit(request, tokens)
         exchange = Exchange(request, parsed, adapter.new_id(), len(tokens), start)
-        self.prompts.check_length(request, tokens)
         images = self.prompts.images(request, tokens)
         marks["rendered"] = time.time()
         plan, windows = await self.planner.plan(tokens, images)

@@ -56,7 +56,7 @@ class _OpenAIAdapter(Adapter):
                 totals = Totals.of(answers)
                 if exchange.request.include_usage:
                     yield render.sse(self._usage_chunk(exchange.rid, render.usage(
-                        totals.prompt, totals.generated, totals.cached)))
+                        totals.prompt, totals.generated, totals.cached, exchange.request.params.max_tokens)))
                 await self.count_answered(exchange, totals)
             yield render.sse("[DONE]")
         finally:
@@ -79,7 +79,7 @@ class ChatAdapter(_OpenAIAdapter):
 
     def parse(self, data: dict, history: list[dict]) -> tuple[GenerationRequest, None]:
         model = self.model
-        return parse_chat(data, model.name, model.default_max, model.vocab_size, model.read_image,
+        return parse_chat(data, model.name, model.max_answer, model.vocab_size, model.read_image,
                           model.max_images), None
 
     def new_id(self) -> str:
@@ -90,7 +90,8 @@ class ChatAdapter(_OpenAIAdapter):
         return render.chat_response(exchange.rid, self.model.name, [
             render.chat_choice(i, answer.content, answer.chat.reasoning, answer.finish_reason, answer.chat.calls,
                                answer.logprobs) for i, answer in enumerate(answers)],
-            render.usage(totals.prompt, totals.generated, totals.cached))
+            render.usage(totals.prompt, totals.generated, totals.cached,
+                                                                     exchange.request.params.max_tokens))
 
     async def _chunks(self, exchange: Exchange, index: int, answer: Answer) -> AsyncIterator[dict]:
         # No content yet: an answer that is only calls keeps content null, as unstreamed.
@@ -109,7 +110,7 @@ class CompletionsAdapter(_OpenAIAdapter):
     endpoint = "completions"
 
     def parse(self, data: dict, history: list[dict]) -> tuple[GenerationRequest, None]:
-        return parse_completion(data, self.model.name, self.model.default_max, self.model.vocab_size), None
+        return parse_completion(data, self.model.name, self.model.max_answer, self.model.vocab_size), None
 
     def new_id(self) -> str:
         return new_id("cmpl")
@@ -118,7 +119,8 @@ class CompletionsAdapter(_OpenAIAdapter):
         totals = Totals.of(answers, exchange.prompt_tokens)
         return render.completion_response(exchange.rid, self.model.name, [
             render.completion_choice(i, answer.content, answer.finish_reason, answer.logprobs)
-            for i, answer in enumerate(answers)], render.usage(totals.prompt, totals.generated, totals.cached))
+            for i, answer in enumerate(answers)], render.usage(totals.prompt, totals.generated, totals.cached,
+                                                                     exchange.request.params.max_tokens))
 
     async def _chunks(self, exchange: Exchange, index: int, answer: Answer) -> AsyncIterator[dict]:
         async for step in answer.steps():

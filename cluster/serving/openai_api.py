@@ -136,14 +136,20 @@ class CompletionRequest(_Request):
 
 
 
-def _sampling(request: _Request, default_max: int, vocab_size: int | None, logprobs: int | None):
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+def _max_tokens(request: _Request) -> int | None:
+    return request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+
+
+def _sampling(request: _Request, ceiling: int | None, vocab_size: int | None, logprobs: int | None,
+              default: int | None = None):
+    names = (("max_tokens", "max_completion_tokens"),) if request.max_completion_tokens is not None else ()
     return parts.sampling(parts.Sampling(
-        max_tokens, request.temperature, request.top_p, request.seed, request.stop, request.presence_penalty,
-        request.frequency_penalty, request.logit_bias, logprobs), default_max, vocab_size)
+        _max_tokens(request), request.temperature, request.top_p, request.seed, request.stop,
+        request.presence_penalty, request.frequency_penalty, request.logit_bias, logprobs, names), ceiling,
+        vocab_size, default)
 
 
-def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | None = None,
+def parse_chat(data: dict, model_name: str, ceiling: int | None, vocab_size: int | None = None,
                read_image: Callable[[str, tuple], tuple[int, Any]] | None = None,
                max_images: int = 0) -> GenerationRequest:
     """``read_image(url, the request's images decoded before it)`` -> (positions the
@@ -159,13 +165,13 @@ def parse_chat(data: dict, model_name: str, default_max: int, vocab_size: int | 
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = parts.top_logprobs(request.top_logprobs, bool(request.logprobs))
     options = request.stream_options
-    return GenerationRequest(model_name, _sampling(request, default_max, vocab_size, logprobs), request.stream,
+    return GenerationRequest(model_name, _sampling(request, ceiling, vocab_size, logprobs), request.stream,
                              bool(options is not None and options.include_usage), messages=messages,
                              thinking=thinking, effort=effort, tools=tools.functions, tool_choice=tools.choice,
                              tool_name=tools.name, tool_checks=tools.checks,
                              parallel_tool_calls=request.parallel_tool_calls is not False,
-                             response_format=_response_format(request, tools), n=parts.answers(request.n),
-                             images=tuple(images))
+                             response_format=_response_format(request), n=parts.answers(request.n),
+                             images=tuple(images), fills_context=_max_tokens(request) is None)
 
 
 def _message(i: int, message: _Message, read_image, images: list, max_images: int) -> Message:
@@ -196,12 +202,11 @@ def _tools(request: ChatRequest) -> parts.Tools:
     return parts.tools(given, choice, named)
 
 
-def _response_format(request: ChatRequest, tools: parts.Tools) -> dict | None:
+def _response_format(request: ChatRequest) -> dict | None:
     """{"schema": ...} for a JSON answer (None: any JSON object), None for text."""
     form = request.response_format
     if form is None or form.type == "text":
         return None
-    parts.refuse_calls_with_json(tools, "response_format")
     if form.type == "json_object":
         return parts.json_answer(None, "response_format", "")
     if form.json_schema is None:
@@ -210,7 +215,7 @@ def _response_format(request: ChatRequest, tools: parts.Tools) -> dict | None:
     return parts.json_answer(schema, "response_format", "response_format.json_schema.schema")
 
 
-def parse_completion(data: dict, model_name: str, default_max: int, vocab_size: int) -> GenerationRequest:
+def parse_completion(data: dict, model_name: str, ceiling: int | None, vocab_size: int) -> GenerationRequest:
     request = validated(CompletionRequest, data)
     parts.check_model(request.model, model_name)
     prompt = request.prompt
@@ -223,6 +228,7 @@ def parse_completion(data: dict, model_name: str, default_max: int, vocab_size: 
     if request.logprobs is not None and not 0 <= request.logprobs <= 5:
         raise ApiError(400, "logprobs must be an integer in 0..5", "logprobs")
     options = request.stream_options
-    return GenerationRequest(model_name, _sampling(request, default_max, vocab_size, request.logprobs),
+    return GenerationRequest(model_name, _sampling(request, ceiling, vocab_size, request.logprobs,
+                                                   parts.COMPLETIONS_MAX_TOKENS),
                              request.stream, bool(options is not None and options.include_usage), prompt=prompt,
                              n=parts.answers(request.n), prompt_param="prompt")

@@ -12,12 +12,15 @@ from cluster.serving.chat_answer import tool_call_json
 from model.tools import ToolCall
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, allowed: int) -> dict:
+    """OpenAI's usage object, and ``max_completion_tokens``: the most tokens each answer
+    was allowed (the request's, or the room its prompt left in the context)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "max_completion_tokens": allowed,
     }
 
 

@@ -103,16 +103,23 @@ class Prompts:
             return
         chars = len(request.prompt) if request.prompt is not None else \
             sum(len(message.content) + len(message.reasoning or "") for message in request.messages)
-        least = chars // self.tokenizer.max_token_bytes
-        if least + request.params.max_tokens > self.max_model_len:
-            raise ApiError(400, f"this request needs at least {least + request.params.max_tokens} tokens; the "
-                           f"context is {self.max_model_len}", request.prompt_param, code="context_length_exceeded")
+        least = chars // self.tokenizer.max_token_bytes + _answer_needs(request)
+        if least > self.max_model_len:
+            raise ApiError(400, f"this request needs at least {least} tokens; the context is {self.max_model_len}",
+                           request.prompt_param, code="context_length_exceeded")
 
-    def check_length(self, request: GenerationRequest, tokens: list[int]) -> None:
-        """A 400 if the prompt and the answer's ``max_tokens`` exceed the context."""
-        if len(tokens) + request.params.max_tokens > self.max_model_len:
-            raise ApiError(400, f"this request needs {len(tokens) + request.params.max_tokens} tokens; the "
-                           f"context is {self.max_model_len}", request.prompt_param, code="context_length_exceeded")
+    def fit(self, request: GenerationRequest, tokens: list[int]) -> GenerationRequest:
+        """The request with its answer's length fitted to the context: a 400 if the prompt
+        and the answer's ``max_tokens`` exceed it; a request that asked no length
+        (``fills_context``) may run to the context's end, at most its ceiling."""
+        needs = len(tokens) + _answer_needs(request)
+        if needs > self.max_model_len:
+            raise ApiError(400, f"this request needs {needs} tokens; the context is {self.max_model_len}",
+                           request.prompt_param, code="context_length_exceeded")
+        room = self.max_model_len - len(tokens)
+        if not request.fills_context or request.params.max_tokens <= room:
+            return request
+        return dataclasses.replace(request, params=dataclasses.replace(request.params, max_tokens=room))
 
     def images(self, request: GenerationRequest, tokens: list[int]) -> tuple:
         """Where each of the request's images sits in the rendered prompt (its image
@@ -144,3 +151,9 @@ class Prompts:
         self.answers[_answer_key(answer.reasoning, answer.content, answer.calls)] = tuple(tokens)
         while len(self.answers) > MEMO_ANSWERS:
             self.answers.popitem(last=False)
+
+
+def _answer_needs(request: GenerationRequest) -> int:
+    """The fewest tokens of context the request's answer needs: its ``max_tokens``, or
+    one when it asked no length."""
+    return 1 if request.fills_context else request.params.max_tokens

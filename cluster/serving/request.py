@@ -43,6 +43,9 @@ class GenerationRequest:
     # None, or the JSON the answer must be: {"schema": ...} (None: any object).
     response_format: dict | None = None
     n: int = 1  # answers to sample, sharing one prefill of the prompt
+    # No answer length asked (chat, Responses): each answer may run to the context's end,
+    # at most the server's ceiling (``params.max_tokens`` until the prompt's length is known).
+    fills_context: bool = False
     images: tuple = ()  # (span positions, decoded image) of the messages' image parts, in order
     # What the request's API calls its prompt and its JSON answer's format (errors name them).
     prompt_param: str = "messages"
@@ -71,30 +74,35 @@ class GenerationRequest:
         answer, or None when the answer is free:
 
         - ``tool_choice`` required or named: the answer is a calls block;
-        - ``response_format``: the answer is JSON of its schema;
+        - ``response_format``: the answer is JSON of its schema; beside tools under
+          ``tool_choice`` auto, JSON or a calls block (as OpenAI's: the format is the
+          answer's when the model calls no tool);
         - ``tool_choice`` auto: the answer is free until the model opens a calls block;
           from its ``｜DSML｜`` token on, the block follows the grammar of a forced call
           (a call the model begins always parses, names a listed tool, has arguments of
           its schema, and is the only one when ``parallel_tool_calls`` is false). That
           needs the markup's token (``dsml``): with an older tokenizer auto is free, and
-          ``parallel_tool_calls: false`` is a 400.
+          ``parallel_tool_calls: false`` or a JSON answer beside tools is a 400.
 
         With thinking on, each starts after ``</think>`` (``think_end``): the reasoning is free."""
-        from model.runtime.grammar import json_grammar, tool_call_grammar
+        from model.runtime.grammar import json_grammar, json_or_calls_grammar, tool_call_grammar
 
         reasoning = (think_end,) if self.thinking else ()
         if self.forces_calls:
             return tool_call_grammar(self.tools, self.tool_name, self.parallel_tool_calls, dsml), reasoning, "tools"
-        if self.response_format is not None:
+        if self.response_format is not None and not self.parses_calls:
             return json_grammar(self.response_format["schema"]), reasoning, self.format_param
         if not self.parses_calls:
             return None
         if dsml is None:
-            if not self.parallel_tool_calls:
-                raise ApiError(400, "parallel_tool_calls: false needs tool_choice 'required' or a named function "
-                                    "with this tokenizer (it has no ｜DSML｜ token to start a grammar at)",
-                               "parallel_tool_calls")
+            if not self.parallel_tool_calls or self.response_format is not None:
+                param = "parallel_tool_calls" if self.response_format is None else self.format_param
+                raise ApiError(400, f"{param} beside tools needs tool_choice 'required' or a named function with "
+                                    "this tokenizer (it has no ｜DSML｜ token to start a grammar at)", param)
             return None
+        if self.response_format is not None:
+            return (json_or_calls_grammar(self.response_format["schema"], self.tools, self.parallel_tool_calls, dsml),
+                    reasoning, self.format_param)
         return (tool_call_grammar(self.tools, None, self.parallel_tool_calls, dsml, opened=True),
                 (*reasoning, dsml), "tools")
 

@@ -24,6 +24,7 @@ from model.runtime.sampling import SamplingParams, SamplingParamsError
 # Bounds on what a request may ask the server to compile or scan (a 400 names the
 # parameter): OpenAI's own where it documents one.
 MAX_TOKENS_LIMIT = 1 << 20
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default answer length for /v1/completions
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # the stop strings are scanned on the decoder's thread every step
 MAX_N = 16  # answers per request: each is a place in a decoder batch
@@ -50,12 +51,24 @@ class Sampling:
         return dict(self.names).get(param, param)
 
 
-def sampling(asked: Sampling, default_max: int, vocab_size: int | None = None) -> SamplingParams:
-    """The engine's :class:`SamplingParams` for ``asked``, or a 400 naming the parameter."""
-    max_tokens = default_max if asked.max_tokens is None else asked.max_tokens
-    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        param = asked.name("max_tokens")
+def sampling(asked: Sampling, ceiling: int | None, vocab_size: int | None = None,
+             default: int | None = None) -> SamplingParams:
+    """The engine's :class:`SamplingParams` for ``asked``, or a 400 naming the parameter.
+
+    ``ceiling``: the most tokens the server lets an answer have (None: the context's
+    room); a request asking for more is a 400. Left out, ``max_tokens`` is ``default``
+    (the API's own, as OpenAI's), or with none the ceiling: the request then
+    :attr:`~cluster.serving.request.GenerationRequest.fills_context`, and
+    :meth:`cluster.serving.prompts.Prompts.fit` cuts it to the room its prompt leaves."""
+    param, limit = asked.name("max_tokens"), ceiling or MAX_TOKENS_LIMIT
+    if asked.max_tokens is None:
+        max_tokens = limit if default is None else min(default, limit)
+    elif not 1 <= asked.max_tokens <= MAX_TOKENS_LIMIT:
         raise ApiError(400, f"{param} must be a positive integer", param)
+    elif asked.max_tokens > limit:
+        raise ApiError(400, f"{param} is too large: {asked.max_tokens}; this server allows at most {limit}", param)
+    else:
+        max_tokens = asked.max_tokens
     stop = asked.stop
     stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     if not (all(stop) and len(stop) <= MAX_STOPS and all(len(text) <= MAX_STOP_CHARS for text in stop)):
@@ -135,11 +148,6 @@ class Tools:
     name: str | None = None
     checks: Mapping[str, SchemaCheck] = ()
 
-    @property
-    def calls(self) -> bool:
-        """The model may call them (a JSON answer then cannot be asked for)."""
-        return bool(self.functions) and self.choice != "none"
-
 
 def tools(given: Sequence[Tool], choice: str | None, named: str | None = None) -> Tools:
     """``choice``: "none", "auto", "required", "function" (a call of ``named``), or None
@@ -160,13 +168,6 @@ def tools(given: Sequence[Tool], choice: str | None, named: str | None = None) -
         raise ApiError(400, f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
     checks = strict_checks((tool.name, tool.parameters) for tool in given if tool.strict)
     return Tools(functions, choice or "auto", named if choice == "function" else None, checks)
-
-
-def refuse_calls_with_json(tools_: Tools, param: str) -> None:
-    """A JSON answer and tool calls exclude each other: a 400 naming ``param``."""
-    if tools_.calls:
-        raise ApiError(400, f"{param}: a JSON answer and tool calls exclude each other; set tool_choice to 'none' "
-                            f"or leave out {param}", param)
 
 
 def json_answer(schema: dict[str, Any] | None, param: str, where: str) -> dict:

@@ -50,7 +50,7 @@ class ResponsesAdapter(Adapter):
 
     def parse(self, data: dict, history: list[dict]) -> tuple[GenerationRequest, ParsedResponses]:
         model = self.model
-        parsed = parse_responses(data, model.name, model.default_max, model.vocab_size, model.read_image,
+        parsed = parse_responses(data, model.name, model.max_answer, model.vocab_size, model.read_image,
                                  model.max_images, keeps=self.keeps, history=history)
         return parsed.generation, parsed
 
@@ -62,7 +62,8 @@ class ResponsesAdapter(Adapter):
         builder = exchange.parsed.builder(exchange.rid, self.model.name)
         builder.push(answer.deltas)
         response = builder.finish(answer.finish_reason, usage(totals.prompt, totals.generated, totals.cached,
-                                                              answer.chat.reasoning_tokens))[-1]["response"]
+                                                              answer.chat.reasoning_tokens,
+                                                              exchange.request.params.max_tokens))[-1]["response"]
         await self.answered(exchange.parsed, response)
         return response
 
@@ -93,7 +94,7 @@ class ResponsesAdapter(Adapter):
         # has it, and send the next turn naming it.
         await self.count_answered(exchange, totals)
         events = builder.finish(finish, usage(totals.prompt, totals.generated, totals.cached,
-                                              answer.chat.reasoning_tokens))
+                                              answer.chat.reasoning_tokens, exchange.request.params.max_tokens))
         try:
             await self.answered(parsed, events[-1]["response"])
         except ApiError as error:  # its conversation could not take it: the response failed

@@ -134,7 +134,7 @@ class ParsedResponses:
         return ResponseBuilder(rid, model, self.echo, self.logprobs, self.generation.thinking)
 
 
-def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: int | None = None,
+def parse_responses(data: dict, model_name: str, ceiling: int | None, vocab_size: int | None = None,
                     read_image: Callable[[str, tuple], tuple[int, Any]] | None = None,
                     max_images: int = 0, keeps: bool = False, history: Sequence[dict] = ()) -> ParsedResponses:
     """The request, or an :class:`ApiError` naming the Responses parameter at fault.
@@ -155,7 +155,7 @@ def parse_responses(data: dict, model_name: str, default_max: int, vocab_size: i
         raise ApiError(400, f"top_logprobs needs include: [{LOGPROBS!r}]", "top_logprobs")
     images: list = []
     messages = _Messages(read_image, images, max_images).build(request, earlier)
-    generation = _generation(request, messages, model_name, default_max, vocab_size, logprobs, tuple(images))
+    generation = _generation(request, messages, model_name, ceiling, vocab_size, logprobs, tuple(images))
     store = keeps and request.store is not False
     echo = {"instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "metadata": request.metadata or {}, "parallel_tool_calls": generation.parallel_tool_calls,
@@ -186,7 +186,7 @@ def _check_kept(request: ResponsesRequest, keeps: bool) -> None:
                        "conversation")
 
 
-def _generation(request: ResponsesRequest, messages: tuple[Message, ...], model_name: str, default_max: int,
+def _generation(request: ResponsesRequest, messages: tuple[Message, ...], model_name: str, ceiling: int | None,
                 vocab_size: int | None, logprobs: bool, images: tuple) -> GenerationRequest:
     parts.check_model(request.model, model_name)
     thinking, effort = parts.effort(request.reasoning.effort if request.reasoning else None, "reasoning.effort")
@@ -196,19 +196,19 @@ def _generation(request: ResponsesRequest, messages: tuple[Message, ...], model_
     tools = parts.tools([parts.Tool(tool.name, tool.description, tool.parameters, tool.strict is not False,
                                     f"tools[{i}].parameters") for i, tool in enumerate(request.tools or ())],
                         choice, named)
-    response_format = _response_format(request, tools)
+    response_format = _response_format(request)
     sampling = parts.sampling(parts.Sampling(
         request.max_output_tokens, request.temperature, request.top_p,
         logprobs=parts.top_logprobs(request.top_logprobs, logprobs),
-        names=(("max_tokens", "max_output_tokens"), ("logprobs", "include"))), default_max, vocab_size)
+        names=(("max_tokens", "max_output_tokens"), ("logprobs", "include"))), ceiling, vocab_size)
     return GenerationRequest(model_name, sampling, request.stream, False, messages=messages, thinking=thinking,
                              effort=effort, tools=tools.functions, tool_choice=tools.choice, tool_name=tools.name,
                              tool_checks=tools.checks, parallel_tool_calls=request.parallel_tool_calls is not False,
                              response_format=response_format, images=images, prompt_param="input",
-                             format_param="text.format")
+                             format_param="text.format", fills_context=request.max_output_tokens is None)
 
 
-def _response_format(request: ResponsesRequest, tools: parts.Tools) -> dict | None:
+def _response_format(request: ResponsesRequest) -> dict | None:
     """``text.format``: {"schema": ...} for a JSON answer (None: any JSON object), None for text."""
     form = request.text.format if request.text is not None else None
     if form is None:
@@ -220,7 +220,6 @@ def _response_format(request: ResponsesRequest, tools: parts.Tools) -> dict | No
         return None
     if form.type == "json_schema" and form.name is None:
         raise ApiError(400, "text.format.name is required with type json_schema", "text.format")
-    parts.refuse_calls_with_json(tools, "text.format")
     if form.type == "json_object":
         return parts.json_answer(None, "text.format", "")
     return parts.json_answer(form.schema_ if form.schema_ is not None else {}, "text.format", "text.format.schema")

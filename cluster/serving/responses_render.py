@@ -14,13 +14,15 @@ from cluster.serving.response_items import item_id
 from cluster.serving.validation import ApiError
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int, allowed: int) -> dict:
     """OpenAI's usage object. Every conversation is stored, so the prompt's tokens not
-    read from the cache are the ones written to it (``cache_write_tokens``)."""
+    read from the cache are the ones written to it (``cache_write_tokens``).
+    ``max_output_tokens``: the most tokens the answer was allowed (the request's, or the
+    room its prompt left in the context)."""
     return {"input_tokens": prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": prompt_tokens - cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt_tokens + output_tokens}
+            "total_tokens": prompt_tokens + output_tokens, "max_output_tokens": allowed}
 
 
 class ResponseBuilder:

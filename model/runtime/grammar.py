@@ -65,20 +65,34 @@ def _with_layout(schema: dict) -> dict:
     return {**schema, "x-guidance": {**_JSON_LAYOUT, **schema.get("x-guidance", {})}}
 
 
+def _json_value(schema: dict | None) -> str:
+    """One JSON value of ``schema`` (None: any JSON object), as a Lark expression."""
+    schema = {"type": "object"} if schema is None else schema
+    return f"%json{json.dumps(_with_layout(schema), ensure_ascii=False)}"
+
+
 def json_grammar(schema: dict | None) -> str:
     """An answer that is one JSON value of ``schema`` (None: any JSON object)."""
-    schema = {"type": "object"} if schema is None else schema
-    return f"start: %json{json.dumps(_with_layout(schema), ensure_ascii=False)}\n"
+    return f"start: {_json_value(schema)}\n"
+
+
+def json_or_calls_grammar(schema: dict | None, tools: Sequence[dict], parallel: bool, dsml_token: int) -> str:
+    """An answer that is JSON of ``schema`` or a calls block of ``tools`` (``tool_choice``
+    auto beside a JSON answer): its first token decides which (``{`` or ``[`` against the
+    block's blank line)."""
+    return (f"start: answer | calls\nanswer: {_json_value(schema)}\n"
+            + tool_call_grammar(tools, None, parallel, dsml_token, rule="calls"))
 
 
 def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: bool = True,
-                      dsml_token: int | None = None, opened: bool = False) -> str:
+                      dsml_token: int | None = None, opened: bool = False, rule: str = "start") -> str:
     """An answer that is a DSML calls block (:mod:`model.tools`) of one call (or, with
     ``parallel``, one or more) of ``name`` (None: any of ``tools``). Each call's
     parameters are those of its schema, in the schema's order, the required ones
     present; a string parameter is written as it is, any other as JSON of its schema.
     A tool without a ``properties`` schema takes any parameters. ``opened``: the block
-    after its first ``｜DSML｜`` token (the trigger of a call in ``auto``; needs the token)."""
+    after its first ``｜DSML｜`` token (the trigger of a call in ``auto``; needs the token).
+    ``rule``: the name of the block's rule (``start``: the whole answer)."""
     chosen = [tool for tool in tools if name is None or tool["name"] == name]
     if not chosen:
         raise GrammarError(f"no tool named {name!r}")
@@ -95,7 +109,7 @@ def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: 
     marker = CALLS_MARKER + "\n"
     if opened:
         marker = marker.partition(DSML)[2]
-    rules = [f"start: {lit(marker)} invoke {more} {newline} {lit(CALLS_CLOSE)}",
+    rules = [f"{rule}: {lit(marker)} invoke {more} {newline} {lit(CALLS_CLOSE)}",
              f"invoke: {invoke}"]
     for i, tool in enumerate(chosen):
         parameters = tool.get("parameters") or {}
@@ -107,9 +121,9 @@ def tool_call_grammar(tools: Sequence[dict], name: str | None = None, parallel: 
         else:
             items = []
             for j, (key, schema) in enumerate(properties.items()):
-                rule = f"p_{i}_{j}"
-                items.append(f"{rule} {lit(chr(10))}" if key in required else f"({rule} {lit(chr(10))})?")
-                rules += _parameter_rules(rule, key, schema if isinstance(schema, dict) else {}, lit, dsml_token)
+                line = f"p_{i}_{j}"
+                items.append(f"{line} {lit(chr(10))}" if key in required else f"({line} {lit(chr(10))})?")
+                rules += _parameter_rules(line, key, schema if isinstance(schema, dict) else {}, lit, dsml_token)
             body = " ".join(items)
         rules.append(f"invoke_{i}: {head} {body} {lit(INVOKE_CLOSE)}")
     if any((tool.get("parameters") or {}).get("properties") is None for tool in chosen):

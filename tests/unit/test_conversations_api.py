@@ -107,7 +107,7 @@ def test_a_responses_request_naming_a_conversation_reads_as_its_items_sent_as_in
     then = [{"type": "function_call_output", "call_id": "c1", "output": "120"}]
 
     def parsed(**body):
-        return parse_responses({"model": MODEL, **body}, MODEL, default_max=64, vocab_size=4096, keeps=True,
+        return parse_responses({"model": MODEL, **body}, MODEL, ceiling=64, vocab_size=4096, keeps=True,
                                history=record["items"] if "conversation" in body else ())
 
     named = parsed(input=then, conversation=cid)
@@ -131,10 +131,10 @@ def test_an_item_id_a_conversation_or_request_already_has_is_a_400() -> None:
     cases = [(lambda: conversations.with_items(record, conversations.new_items({"items": [again]})), "items"),
              (lambda: conversations.created({"items": [again, again]}), "items"),
              (lambda: parse_responses({"model": MODEL, "input": [again], "conversation": record["conversation"]["id"]},
-                                      MODEL, default_max=64, vocab_size=4096, keeps=True, history=record["items"]),
+                                      MODEL, ceiling=64, vocab_size=4096, keeps=True, history=record["items"]),
               "input"),
              (lambda: parse_responses({"model": MODEL, "input": [again], "previous_response_id": "resp_1"},
-                                      MODEL, default_max=64, vocab_size=4096, keeps=True, history=record["items"]),
+                                      MODEL, ceiling=64, vocab_size=4096, keeps=True, history=record["items"]),
               "input")]
     for call, param in cases:
         with pytest.raises(ApiError) as caught:

@@ -11,7 +11,7 @@ import pytest
 from model.dspark import DSparkDrafter
 from model.runtime.batcher import Batcher, Speculation
 from model.runtime.engine import Engine
-from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, tool_call_grammar
+from model.runtime.grammar import GrammarCompiler, GrammarError, json_grammar, json_or_calls_grammar, tool_call_grammar
 from model.runtime.sampling import SamplingParams
 from model.runtime.speculative import SpeculativeDrafter
 from model.tokenizer import Tokenizer
@@ -196,6 +196,33 @@ def test_a_call_follows_the_grammar_where_the_markup_is_one_token(note):
         spelled.advance(token)
     allowed = spelled.mask()
     assert allowed[dsml] and not allowed[tokenizer.encode(DSML)[0]]
+
+
+def test_a_json_answer_beside_tools_is_json_of_its_schema_or_a_calls_block():
+    """``tool_choice`` auto with a JSON answer asked for (the OpenAI Agents SDK's
+    ``output_type`` beside tools): the answer is a JSON value of the schema, or a calls
+    block; free text and JSON of another shape are outside the grammar."""
+    from model.tools import ToolCall, calls_text
+
+    tokenizer = _dsml_tokenizer()
+    compiler = GrammarCompiler(tokenizer.json, tokenizer.vocab_size, tokenizer.special.eos)
+    schema = {"type": "object", "properties": {"lines": {"type": "integer"}}, "required": ["lines"],
+              "additionalProperties": False}
+    grammar = json_or_calls_grammar(schema, [WEATHER, CLOCK], False, tokenizer.special.dsml)
+
+    def walks(ids: list[int]) -> bool:
+        constraint = compiler.constraint(grammar, tokenizer.vocab_size)
+        for token in ids:
+            if not constraint.mask()[token]:
+                return False
+            constraint.advance(token)
+        return constraint.matcher.is_accepting()
+
+    call = calls_text([ToolCall("get_weather", json.dumps({"city": "Rome", "days": 3, "note": "ok"}), "a")])
+    assert walks(tokenizer.encode('{"lines": 42}')) and walks(_markup_ids(tokenizer, call))
+    assert not walks(tokenizer.encode('{"lines": "many"}')) and not walks(tokenizer.encode("It has 42 lines."))
+    two = calls_text([ToolCall("clock", "{}", "a"), ToolCall("clock", "{}", "b")])
+    assert not walks(_markup_ids(tokenizer, two))  # (parallel_tool_calls false: one call)
 
 
 def _dsml_tokenizer() -> Tokenizer:

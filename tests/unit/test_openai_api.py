@@ -31,7 +31,26 @@ def test_a_chat_request_becomes_a_generation_request():
     assert request.messages[2].reasoning == "hmm"
     assert request.params.max_tokens == 5 and request.params.temperature == 0.0 and request.params.seed == 3
     assert request.params.stop == ("x", "y") and request.stream and request.include_usage
-    assert _chat().params.max_tokens == 16  # the server's default
+    assert not request.fills_context
+
+
+def test_an_answer_with_no_length_asked_may_run_to_the_ceiling_and_no_request_past_it():
+    """As OpenAI: a chat that sets no length may run to the end of the context (here at
+    most the server's ceiling, 16: the prompt's length, unknown yet, cuts it further;
+    tests/unit/test_answer_length.py); a completion's default is OpenAI's 16 tokens; a
+    request asking more than the ceiling is refused by the name it used."""
+    unset = _chat()
+    assert unset.fills_context and unset.params.max_tokens == 16
+    assert parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, MODEL, None).params.max_tokens \
+        == 1 << 20  # (no ceiling: the context decides)
+    completion = parse_completion({"model": MODEL, "prompt": "x"}, MODEL, None, 100)
+    assert completion.params.max_tokens == 16 and not completion.fills_context
+    assert parse_completion({"model": MODEL, "prompt": "x"}, MODEL, 8, 100).params.max_tokens == 8
+    for param in ("max_tokens", "max_completion_tokens"):
+        assert _chat(**{param: 16}).params.max_tokens == 16
+        with pytest.raises(ApiError, match="at most 16") as caught:
+            _chat(**{param: 17})
+        assert caught.value.status == 400 and caught.value.param == param
 
 
 @pytest.mark.parametrize("extra, param, words", [
@@ -42,8 +61,6 @@ def test_a_chat_request_becomes_a_generation_request():
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not among"),
     ({"tool_choice": "auto"}, "tool_choice", "no tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
-     "response_format", "exclude each other"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
     ({"response_format": {"type": "yaml"}}, "response_format", "response_format"),
     ({"reasoning_effort": "huge"}, "reasoning_effort", "unknown reasoning_effort"),
@@ -74,7 +91,8 @@ def test_each_answer_gets_the_grammar_its_tool_choice_asks_for():
     """required / named: a calls block from the first answer token; auto: free text until
     the model's ｜DSML｜ token, then the rest of a block; none: free. With thinking, after
     </think>. Without the DSML token auto is free, and it cannot hold parallel_tool_calls
-    false: that is a 400 naming it."""
+    false: that is a 400 naming it. A JSON answer asked beside tools is JSON or a calls
+    block."""
     dsml, think_end = 9, 7
     weather = {"type": "function", "function": {"name": "weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -94,6 +112,15 @@ def test_each_answer_gets_the_grammar_its_tool_choice_asks_for():
         _chat(**tools, parallel_tool_calls=False).grammar(None, think_end)
     assert caught.value.status == 400 and caught.value.param == "parallel_tool_calls"
     assert _chat(response_format={"type": "json_object"}).grammar(dsml, think_end)[1:] == ((), "response_format")
+    # A JSON answer beside tools: under auto JSON or a calls block from the first token;
+    # a forced call is a call; with no DSML token to tell them apart, a 400.
+    json_format = {"response_format": {"type": "json_object"}}
+    grammar, after, param = _chat(**tools, **json_format).grammar(dsml, think_end)
+    assert after == () and param == "response_format" and grammar.startswith("start: answer | calls")
+    assert _chat(**tools, **json_format, tool_choice="required").grammar(dsml, think_end)[2] == "tools"
+    with pytest.raises(ApiError, match="tools") as caught:
+        _chat(**tools, **json_format).grammar(None, think_end)
+    assert caught.value.param == "response_format"
 
 
 def test_messages_are_checked_field_by_field():

@@ -30,7 +30,7 @@ TOOL = {"type": "function", "name": "count_lines", "description": "Lines of a mo
 
 
 def _parse(**body):
-    return parse_responses({"model": MODEL, **body}, MODEL, default_max=64, vocab_size=4096)
+    return parse_responses({"model": MODEL, **body}, MODEL, ceiling=64, vocab_size=4096)
 
 
 def test_input_items_become_the_chat_turns_they_mean() -> None:
@@ -92,7 +92,6 @@ def test_text_format_logprobs_and_plain_input() -> None:
     ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning", "reasoning.summary"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format", "name"),
     ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format", "only type json_schema takes schema"),
-    ({"tools": [TOOL], "text": {"format": {"type": "json_object"}}}, "text.format", "leave out text.format"),
     ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input", "input[0]: no function"),
     ({"input": [{"role": "user", "content": "a"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                    "arguments": "{}"}, {"type": "reasoning", "summary": []}]},
@@ -109,7 +108,7 @@ def test_errors_name_the_responses_parameter(body, param, says) -> None:
 
 
 def _kept(history_=(), **body):
-    return parse_responses({"model": MODEL, **body}, MODEL, default_max=64, vocab_size=4096, keeps=True,
+    return parse_responses({"model": MODEL, **body}, MODEL, ceiling=64, vocab_size=4096, keeps=True,
                            history=history_)
 
 
@@ -117,7 +116,7 @@ def _answered(parsed, deltas: list[dict]) -> dict:
     """The final response object of ``parsed`` answered by ``deltas``."""
     builder = parsed.builder("resp_1", MODEL)
     builder.push(deltas)
-    return builder.finish("stop", usage(5, 2, 0, 0))[-1]["response"]
+    return builder.finish("stop", usage(5, 2, 0, 0, 64))[-1]["response"]
 
 
 def test_a_stored_response_carries_its_conversation_into_the_next() -> None:
@@ -200,7 +199,7 @@ def test_recent_records_keep_their_bytes_least_recently_used_out() -> None:
 
 
 def _events(builder: ResponseBuilder, deltas: list[dict], finish: str) -> list[dict]:
-    return builder.start() + builder.push(deltas) + builder.finish(finish, usage(5, len(deltas), 2, 3))
+    return builder.start() + builder.push(deltas) + builder.finish(finish, usage(5, len(deltas), 2, 3, 64))
 
 
 def _reassembled(events: list[dict]):
