@@ -12,7 +12,8 @@ from tests.serve_harness import sdk_client
 @pytest.fixture(scope="module")
 def app(serve_runtime, tmp_path_factory):
     """The app's URL."""
-    with serve_runtime.app(tmp_path_factory.mktemp("serve"), exact_replay=True) as (url, _redis):
+    # (answers of up to 300 tokens: a forced call of random weights may run that long)
+    with serve_runtime.app(tmp_path_factory.mktemp("serve"), exact_replay=True, max_answer_tokens=300) as (url, _redis):
         yield url
 
 

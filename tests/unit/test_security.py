@@ -241,7 +241,8 @@ def test_example_agent_tools_import_only_their_modules_and_bound_arithmetic():
 def served(serve_runtime, tmp_path_factory):
     # A context long enough that a 3.5 MB prompt passes the check before tokenising
     # and is refused only once it is tokenised (the worst case of parsing).
-    with serve_runtime.app(tmp_path_factory.mktemp("security"), max_model_len=200_000) as (url, _redis):
+    with serve_runtime.app(tmp_path_factory.mktemp("security"), max_model_len=200_000,
+                           max_answer_tokens=600) as (url, _redis):  # (a stream of 600 tokens)
         yield url
 
 
