@@ -1,7 +1,7 @@
 """The shipped small model calls tools (`v41 train-tools`): held-out conversations in the
 released format, greedy, free and under `tool_choice: required`; it copies (induction
-heads); a chat offered no tools is still answered in text; and the example agent solves
-held-out tasks against the served model. Slow: it generates (about three minutes)."""
+heads); a chat offered no tools is still answered in text (the example agent, against the
+served model, is tests/e2e/test_clients.py's). Slow: it generates (about two minutes)."""
 
 from __future__ import annotations
 
@@ -73,35 +73,3 @@ def test_a_chat_without_tools_is_answered_in_text():
     texts = [tokenizer.decode(ids) for ids in outputs]
     assert not any("DSML" in text for text in texts), texts
     assert all(text.strip() for text in texts), texts
-
-
-@pytest.mark.slow
-@pytest.mark.e2e
-def test_the_example_agent_solves_tasks_against_the_served_model(serve_runtime, tmp_path):
-    """examples/agent.py against the app serving the shipped model (DSpark on, as `v41
-    serve` runs it), as `python examples/agent.py --tasks` runs it: the model's calls are
-    executed here, their results go back, and the answer is graded (the right calls and the
-    right text). The shipped model solves these four of the twelve held-out tasks, one of
-    them two calls whose second copies the question's number from ~100 tokens back (inside
-    its 128-token window); a margin of one for rounding that differs between CPUs. The
-    model before it, with a 64-token window, solved none of the two-call tasks."""
-    import argparse
-
-    import openai
-
-    from tests.example_agent import load_agent
-
-    agent = load_agent()
-    args = argparse.Namespace(first_call="auto", max_steps=4, max_tokens=200)
-    by_question = {task.question: task for task in agent.tasks()}
-    offered = {tool["function"]["name"] for tool in agent.TOOLS}
-    grades = []
-    with serve_runtime.app(tmp_path, model=str(SMALL)) as (url, _):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        for question in ("Does the json module define loads?", "How many lines of source does pprint have?",
-                         "How many source lines does re have, plus 10?", "Is 9973 prime?"):
-            trace = agent.solve(client, model, question, args, show=False)
-            assert trace.calls and all(name in offered for name, _ in trace.calls), trace
-            grades.append(agent.grade(by_question[question], trace))
-    assert sum(grade.solved for grade in grades) >= 3, grades
