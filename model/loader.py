@@ -209,8 +209,9 @@ def load_checkpoint(directory: str | Path, device: str | torch.device = "cpu", k
         for name, module in (("backbone", built.backbone), ("drafter", built.drafter), ("vision", built.vision))
         if module is not None and present.get(name, True)
     }
-    for module in parts.values():  # rotary tables are buffers no checkpoint stores
-        module.apply(_rebuild_rotary)
+    if shard is not None:  # to_empty left the rotary tables, buffers no checkpoint stores, unfilled
+        for module in parts.values():
+            module.apply(_rebuild_rotary)
     def keep(name: str) -> bool:
         if not present["vision"] and name.startswith(_PART_PREFIXES["vision"]):
             return False
