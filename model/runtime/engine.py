@@ -268,7 +268,7 @@ class Engine:
 
     def _step(self, batch, tap, rewindable: bool):
         device = self.model.embed.weight.device
-        segments, ids, rows = [], [], []
+        segments, ids = [], []
         lo = 0
         for cache, tokens in batch:
             t = torch.tensor(tokens, dtype=torch.long, device=device)
@@ -276,10 +276,9 @@ class Engine:
             rewind = Rewind(cache.length, len(tokens), t, cache.ngram) if rewindable else None
             segments.append(Segment(cache, positions, lo, lo + len(tokens), rewind))
             ids.append(t)
-            rows.append(self._table_rows(self._hash(cache, t)))
             lo += len(tokens)
         flat_ids = torch.cat(ids)
-        flat_rows = {layer: torch.cat([r[layer] for r in rows]) for layer in (rows[0] if rows else {})}
+        flat_rows = self._table_rows(self._hash_step([cache for cache, _ in batch], ids))
         streams, pre = self.model.embed_streams(flat_ids[None])
         streams, pre = self._run(segments, streams[0], pre[0], range(self.config.num_hidden_layers), flat_rows, tap)
         for segment in segments:
@@ -378,6 +377,26 @@ class Engine:
             return None
         hash_ids, cache.ngram = self._hash_ids(ids, cache.ngram, image_mask)
         return hash_ids
+
+    def _hash_step(self, caches: list[SequenceCache], ids: list[torch.Tensor]) -> torch.Tensor | None:
+        """Engram row ids [1, N, layers, cols] of a step's new tokens, ``ids`` [n_i] per
+        sequence, flat in batch order: one hasher call over the right-padded batch
+        (padding only follows each sequence's tokens, so it enters no n-gram of
+        theirs); advances each sequence's n-gram context."""
+        if self.hasher is None or len(ids) == 1:
+            return self._hash(caches[0], ids[0])
+        device = ids[0].device
+        lengths = [len(t) for t in ids]
+        context = NgramContext.cat([self.hasher.empty_context(1, device) if c.ngram is None else c.ngram
+                                    for c in caches])
+        padded = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)
+        row_ids, after = self.hasher.hash_ids(padded, context, lengths=lengths)
+        for index, cache in enumerate(caches):
+            cache.ngram = after.select(index)
+        if min(lengths) == max(lengths):
+            return row_ids.flatten(0, 1)[None]
+        real = torch.arange(padded.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
+        return row_ids[real][None]
 
     def _hash_ids(self, ids: torch.Tensor, context: NgramContext | None,
                   image_mask: torch.Tensor | None) -> tuple[torch.Tensor, NgramContext]:

@@ -143,6 +143,23 @@ def test_batch_of_four_agrees_with_each_alone(golden_model, golden_hasher, golde
         assert (torch.stack(got) - expected[: len(got)]).abs().max() < 1e-4
 
 
+def test_a_steps_engram_rows_are_each_sequences_own(tiny):
+    """A step hashes every sequence's new tokens in one call over the right-padded
+    batch; each sequence gets the row ids and the n-gram context it gets hashed alone,
+    whatever the other sequences' lengths."""
+    model, hasher = tiny
+    engine = Engine(model, hasher)
+    caches = [engine.new_cache() for _ in range(3)]
+    for cache, n in zip(caches, (5, 1, 9)):
+        engine.prefill(cache, _tokens(n, n))
+    ids = [torch.tensor(_tokens(n, 10 + n)) for n in (3, 1, 2)]
+    alone = [hasher.hash_ids(t[None], cache.ngram) for cache, t in zip(caches, ids)]
+    together = engine._hash_step(caches, ids)
+    assert torch.equal(together, torch.cat([row_ids for row_ids, _ in alone], dim=1))
+    for cache, (_, context) in zip(caches, alone):
+        assert torch.equal(cache.ngram.tail, context.tail)
+
+
 def test_restore_rebuilds_expired_windows(tiny):
     """Encoder SWA Bounded Replay: exact when the sequence fits in the window, and it
     only ever reads the last window of tokens."""
