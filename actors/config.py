@@ -120,6 +120,17 @@ class AppConfig(BaseModel):
     response_retention_hours: PositiveFloat = 72.0
     api_key: str | None = None  # prefer api_key_file: a key here is in the YAML and the Serve config
     api_key_file: str | None = None  # a file holding the key (read by the router when it starts)
+    # Many customers on one deployment (cluster/serving/tenants.py): a YAML/JSON file mapping
+    # API keys to tenants, each with its own cache namespace, stored records and share of
+    # the router's places; read again when it changes. Excludes api_key and api_key_file.
+    api_keys_file: str | None = None
+    # The secret the tenants' cache salts derive from (at least 16 bytes in the file);
+    # None: one the router makes once in the user's v41 cache folder. Routers on several
+    # nodes must share it (name one file they all read).
+    cache_secret_file: str | None = None
+    # The leading tokens of a prompt that tenants with share_prefixes name in the
+    # deployment's shared namespace (a system prompt every tenant sends hits for all).
+    shared_prefix_tokens: NonNegativeInt = 0
     threads: PositiveInt = 1
     engram_shards: NonNegativeInt = 0  # 0: Engram rows from in-process tables; N: a sharded table service
     engram_replicas: PositiveInt = 1
@@ -164,8 +175,8 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_key(self) -> "AppConfig":
-        if self.api_key is not None and self.api_key_file is not None:
-            raise ValueError("give api_key or api_key_file, not both")
+        if sum(key is not None for key in (self.api_key, self.api_key_file, self.api_keys_file)) > 1:
+            raise ValueError("give one of api_key, api_key_file and api_keys_file")
         if self.compiled_step is True and self.decoder_parallel.experts > 1:
             raise ValueError("compiled_step runs every expert in the decoder's process: "
                              "it cannot be combined with decoder_parallel experts > 1")

@@ -36,7 +36,7 @@ from model.runtime.engine import Engine
 from model.runtime.inputs import DecoderInput
 from model.runtime.sampling import SamplingParams
 from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
-from storage.keys import MediaSpan, ObjectKey
+from storage.keys import NO_SCOPE, KeyScope, MediaSpan, ObjectKey
 
 from .events import Admission, Kept, Stored, Storing, Token, Tokens
 from .prefill import Moved, PrefillService, StoreLike, read_through
@@ -55,6 +55,7 @@ class _Conversation:
     chunk_keys: tuple[ObjectKey, ...]
     stored_chunks: int
     media: tuple[MediaSpan, ...] = ()
+    scope: KeyScope = NO_SCOPE  # the request's tenant's: its conversation's names
 
 
 class PrefixUnavailable(RuntimeError):
@@ -93,7 +94,7 @@ class DecoderService:
         inputs = DecoderInput(handoff.positions, handoff.streams, handoff.pre, handoff.replay_ids,
                               handoff.replay_engram_ids)
         self._requests[request_id] = _Conversation(handoff.token_ids, handoff.chunk_keys, handoff.stored_chunks,
-                                                   handoff.media)
+                                                   handoff.media, handoff.scope)
         start = time.perf_counter()
         try:
             return self.batcher.add(request_id, params, cache=cache, inputs=inputs)
@@ -186,10 +187,10 @@ class DecoderService:
             raise RuntimeError(f"cache holds {cache.length} tokens, the conversation {len(tokens)}")
         size = self.naming.chunk_tokens
         whole = cache.length // size
-        keys = self.naming.chunks(tokens, known=handoff.chunk_keys, media=handoff.media)
+        keys = self.naming.chunks(tokens, known=handoff.chunk_keys, media=handoff.media, scope=handoff.scope)
         objects = [(keys[index], chunk_to_bytes(cache, index * size, size, self.naming.identity))
                    for index in range(handoff.stored_chunks, whole)]
-        window = self.naming.window(tokens, known=tuple(keys), media=handoff.media)
+        window = self.naming.window(tokens, known=tuple(keys), media=handoff.media, scope=handoff.scope)
         return objects + [(window, window_to_bytes(cache, whole * size, self.naming.identity))]
 
 
@@ -262,7 +263,7 @@ class DecoderPool:
                 # (not one with images: the vision tower is the prefill pool's).
                 if handoff.media:
                     raise
-                plan = CachePlan(handoff.token_ids, 0, chunk_keys=handoff.chunk_keys)
+                plan = CachePlan(handoff.token_ids, 0, chunk_keys=handoff.chunk_keys, scope=handoff.scope)
                 again = prefilled(self.prefiller.prefill(plan, in_process=True), time.time(), "decoder",
                                   self.prefill_metrics)
                 again.timeline.update(handoff.timeline, decode_in=arrived)

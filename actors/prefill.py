@@ -27,7 +27,7 @@ from model.runtime.cache import SequenceCache
 from model.runtime.engine import Engine
 from model.runtime.inputs import DecoderInput
 from model.runtime.serialize import StateError, load_chunks, load_window, window_to_bytes
-from storage.keys import MediaSpan, ObjectKey
+from storage.keys import ObjectKey
 
 from .pool_model import ImageEncoder
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
@@ -106,7 +106,7 @@ class PrefillService:
         spans = self.images.spans(plan.images) if plan.images else []
         start, read_at = time.perf_counter(), time.time()  # read_at: when this looked for the stored prefix
         keys = (tuple(plan.chunk_keys) if plan.chunk_keys is not None
-                else tuple(self.naming.chunks(tokens, media=plan.media)))
+                else tuple(self.naming.chunks(tokens, media=plan.media, scope=plan.scope)))
         moved = Moved()
         if resident is not None:
             if not in_process or resident.length >= len(tokens):
@@ -146,6 +146,7 @@ class PrefillService:
             prefill_s=time.perf_counter() - start,
             moved_bytes=moved.bytes,
             media=plan.media,
+            scope=plan.scope,
             timeline={"prefill_read": read_at},
         )
 
@@ -158,7 +159,7 @@ class PrefillService:
         keys = list(chunk_keys[:usable])
         # The router asked the index for the windows after exactly these chunks.
         windows = (list(plan.windows) if plan.windows is not None
-                   else self._window_candidates(tokens, usable, chunk_keys, plan.media))
+                   else self._window_candidates(tokens, usable, chunk_keys, plan))
         others = [node for node in plan.nodes if node != self.node_id]
         blobs = read_through(self.store, self.peers, keys + [key for _, key in windows], others, moved=moved)
         present = itertools.takewhile(lambda blob: blob is not None, blobs[: len(keys)])
@@ -167,17 +168,17 @@ class PrefillService:
             # The n-gram context of the loaded prefix (the window state would carry it).
             cache.ngram = self.engine.ngram_context(tokens[: cache.length])
         if loaded < usable:  # a chunk was missing or bad: the windows after it instead
-            windows = self._window_candidates(tokens, loaded, chunk_keys, plan.media)
+            windows = self._window_candidates(tokens, loaded, chunk_keys, plan)
             blobs = [None] * len(keys) + read_through(self.store, self.peers, [key for _, key in windows], others,
                                                       moved=moved)
         return cache, loaded, self._load_window(cache, windows, blobs[len(keys):])
 
     def _window_candidates(self, tokens: list[int], chunks: int, chunk_keys: tuple[ObjectKey, ...],
-                           media: tuple[MediaSpan, ...]) -> list[tuple[int, ObjectKey]]:
+                           plan: CachePlan) -> list[tuple[int, ObjectKey]]:
         """Every window state the prompt could resume from after ``chunks`` chunks
-        (leaving its last token to encode)."""
+        (leaving its last token to encode), in the plan's scope."""
         return self.naming.window_candidates(tokens[:-1], chunks * self.naming.chunk_tokens, chunk_keys[:chunks],
-                                             media)
+                                             plan.media, plan.scope)
 
     def _load_window(self, cache, candidates: list[tuple[int, ObjectKey]], blobs: list[bytes | None]) -> bool:
         """Resume from the previous turn's window state when this node still has it."""

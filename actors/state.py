@@ -15,12 +15,13 @@ import torch
 
 from model.runtime.cache import SequenceCache
 from model.runtime.serialize import StateIdentity, chunk_granularity
-from storage.keys import Fingerprint, MediaSpan, ObjectKey, chunk_keys, window_key, window_keys_after
+from storage.keys import NO_SCOPE, Fingerprint, KeyScope, MediaSpan, ObjectKey, chunk_keys, window_key, window_keys_after
 
 
 @dataclass(frozen=True)
 class StateNaming:
-    """Names of a model's stored state: the store fingerprint and the chunk length."""
+    """Names of a model's stored state: the store fingerprint and the chunk length. Each
+    name is in a request's :class:`~storage.keys.KeyScope` (its tenant's)."""
 
     fingerprint: Fingerprint
     identity: StateIdentity
@@ -33,11 +34,11 @@ class StateNaming:
         return cls(Fingerprint(identity.model), identity, chunk_tokens)
 
     def chunks(self, token_ids: list[int], known: tuple[ObjectKey, ...] = (),
-               media: tuple[MediaSpan, ...] = ()) -> list[ObjectKey]:
+               media: tuple[MediaSpan, ...] = (), scope: KeyScope = NO_SCOPE) -> list[ObjectKey]:
         """Keys of the whole chunks of ``token_ids``; ``known`` are those of its first
         chunks, already computed (the plan's): only the rest is hashed. ``media``: the
         prompt's images (a chunk holding an image's start hashes its digest)."""
-        return chunk_keys(self.fingerprint, token_ids, self.chunk_tokens, media, known=known)
+        return chunk_keys(self.fingerprint, token_ids, self.chunk_tokens, media, known=known, scope=scope)
 
     def loadable_chunks(self, plan: "CachePlan") -> int:
         """How many of a plan's stored chunks a prefill loads: all of them, short of the
@@ -45,16 +46,17 @@ class StateNaming:
         return min(plan.cached_chunks, (len(plan.token_ids) - 1) // self.chunk_tokens)
 
     def window(self, token_ids: list[int], known: tuple[ObjectKey, ...] = (),
-               media: tuple[MediaSpan, ...] = ()) -> ObjectKey:
+               media: tuple[MediaSpan, ...] = (), scope: KeyScope = NO_SCOPE) -> ObjectKey:
         """The name of the window state after all of ``token_ids``."""
-        return window_key(self.fingerprint, token_ids, self.chunk_tokens, media, known=known)
+        return window_key(self.fingerprint, token_ids, self.chunk_tokens, media, known=known, scope=scope)
 
     def window_candidates(self, token_ids: list[int], chunked: int, known: tuple[ObjectKey, ...] = (),
-                          media: tuple[MediaSpan, ...] = ()) -> list[tuple[int, ObjectKey]]:
+                          media: tuple[MediaSpan, ...] = (), scope: KeyScope = NO_SCOPE) -> list[tuple[int, ObjectKey]]:
         """(length, key) of every window state a prompt could resume from after its
         first ``chunked`` tokens (the conversation's previous turn ended somewhere in
         the next chunk), longest first."""
-        return window_keys_after(self.fingerprint, token_ids, self.chunk_tokens, chunked, media, known=known)
+        return window_keys_after(self.fingerprint, token_ids, self.chunk_tokens, chunked, media, known=known,
+                                 scope=scope)
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ class CachePlan:
     ``chunk_keys`` names every whole chunk of the prompt, hashed once by the router.
     ``windows``: the window states after those chunks that the index knows of,
     ``(length, key)`` longest first; ``None`` when nobody asked the index (the
-    prefill then probes every candidate in its store).
+    prefill then probes every candidate in its store). ``scope``: the request's tenant's
+    (every name of the request's state is in it).
     """
 
     token_ids: tuple[int, ...]
@@ -109,6 +112,7 @@ class CachePlan:
     windows: tuple[tuple[int, ObjectKey], ...] | None = None
     chunk_keys: tuple[ObjectKey, ...] | None = None  # every whole chunk of the prompt (None: not computed)
     images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (only a prefill replica encodes them)
+    scope: KeyScope = NO_SCOPE
 
     @property
     def media(self) -> tuple[MediaSpan, ...]:
@@ -151,6 +155,7 @@ class Handoff:
     prefilled_by: str = ""  # "pool" (a prefill replica) or "decoder" (encoded where it decodes)
     cache: SequenceCache | None = None
     media: tuple[MediaSpan, ...] = ()  # the prompt's images (their places and digests: the store's names)
+    scope: KeyScope = NO_SCOPE  # the request's tenant's: the decoder stores the conversation under it
 
     def __getstate__(self):
         if self.cache is not None:

@@ -11,6 +11,10 @@ fingerprint is hashed into every link. A window state (the tail of a conversatio
 named the same way over the last full chunk's key and the tail tokens, under its own
 personalisation so that it can never collide with a chunk.
 
+A :class:`KeyScope` puts a tenant's salt beside the fingerprint in each link (all of a
+window state's; a chunk's unless it lies wholly within the scope's shared prefix), so
+that two tenants' chains never meet, however alike their tokens.
+
 Keys are digests, never user text: the SSD tier builds file names from ``ObjectKey.hex``
 and nothing else.
 """
@@ -91,6 +95,27 @@ class ObjectKey:
 
 
 @dataclass(frozen=True)
+class KeyScope:
+    """Whose chain a key belongs to: ``salt`` (a tenant's secret, 16 bytes; empty: the
+    deployment's own namespace, as a server with one tenant names everything) is hashed
+    into every link, except the chunks that end within the first ``shared_tokens``
+    tokens (a prefix the deployment shares between tenants on purpose)."""
+
+    salt: bytes = b""
+    shared_tokens: int = 0
+
+    def namespace(self, fingerprint: Fingerprint, end: int | None = None) -> bytes:
+        """What a link hashes before its parent: the fingerprint, and the salt unless
+        the link's tokens end (``end``; None: a window state) within the shared prefix."""
+        if not self.salt or (end is not None and end <= self.shared_tokens):
+            return fingerprint.digest
+        return fingerprint.digest + self.salt
+
+
+NO_SCOPE = KeyScope()
+
+
+@dataclass(frozen=True)
 class MediaSpan:
     """Content that token ids do not capture (an image), placed at a token position.
 
@@ -109,10 +134,10 @@ def _as_ids(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return ids
 
 
-def _link(person: bytes, fingerprint: Fingerprint, parent: bytes, ids: np.ndarray,
+def _link(person: bytes, namespace: bytes, parent: bytes, ids: np.ndarray,
           media: Sequence[MediaSpan], start: int) -> bytes:
     h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=person)
-    h.update(fingerprint.digest)
+    h.update(namespace)
     h.update(parent)
     h.update(len(ids).to_bytes(8, "little"))
     for span in media:
@@ -125,11 +150,12 @@ def _link(person: bytes, fingerprint: Fingerprint, parent: bytes, ids: np.ndarra
 
 
 def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
-               media: Sequence[MediaSpan] = (), known: Sequence[ObjectKey] = ()) -> list[ObjectKey]:
+               media: Sequence[MediaSpan] = (), known: Sequence[ObjectKey] = (),
+               scope: KeyScope = NO_SCOPE) -> list[ObjectKey]:
     """Keys of every full chunk of ``token_ids``, in order; a partial tail has no key.
 
     ``known``: the keys of the first chunks, already computed for the same tokens (a
-    request's plan); the chain is hashed on from the last of them.
+    request's plan, in the same ``scope``); the chain is hashed on from the last of them.
     """
     if chunk_tokens <= 0:
         raise ValueError("chunk_tokens must be positive")
@@ -138,46 +164,56 @@ def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, 
     keys: list[ObjectKey] = known
     parent = known[-1].digest if known else _ROOT
     for start in range(len(known) * chunk_tokens, len(ids) - chunk_tokens + 1, chunk_tokens):
-        parent = _link(b"v41-chunk", fingerprint, parent, ids[start:start + chunk_tokens], media, start)
+        parent = _link(b"v41-chunk", scope.namespace(fingerprint, start + chunk_tokens), parent,
+                       ids[start:start + chunk_tokens], media, start)
         keys.append(ObjectKey(Kind.CHUNK, parent))
     return keys
 
 
 def window_key(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
-               media: Sequence[MediaSpan] = (), known: Sequence[ObjectKey] = ()) -> ObjectKey:
+               media: Sequence[MediaSpan] = (), known: Sequence[ObjectKey] = (),
+               scope: KeyScope = NO_SCOPE) -> ObjectKey:
     """Key of the window state after all of ``token_ids`` (a state depends on the whole
-    prefix); ``known`` as for :func:`chunk_keys`."""
+    prefix); ``known`` and ``scope`` as for :func:`chunk_keys`."""
     ids = _as_ids(token_ids)
-    chunks = chunk_keys(fingerprint, ids, chunk_tokens, media, known)
+    chunks = chunk_keys(fingerprint, ids, chunk_tokens, media, known, scope)
     parent = chunks[-1].digest if chunks else _ROOT
     start = len(chunks) * chunk_tokens
-    return ObjectKey(Kind.WINDOW, _link(b"v41-window", fingerprint, parent, ids[start:], media, start))
+    return ObjectKey(Kind.WINDOW, _link(b"v41-window", scope.namespace(fingerprint), parent, ids[start:], media, start))
 
 
 def window_keys_after(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
-                      chunked: int, media: Sequence[MediaSpan] = (),
-                      known: Sequence[ObjectKey] = ()) -> list[tuple[int, ObjectKey]]:
+                      chunked: int, media: Sequence[MediaSpan] = (), known: Sequence[ObjectKey] = (),
+                      scope: KeyScope = NO_SCOPE) -> list[tuple[int, ObjectKey]]:
     """``(n, window_key(token_ids[:n]))`` for every ``n`` from ``chunked`` (a chunk
     boundary) up to the next boundary or the end, longest first: the window states a
     prompt could resume from after its first ``chunked`` tokens, with the chunk chain
-    hashed once (or not at all: ``known`` as for :func:`chunk_keys`)."""
+    hashed once (or not at all: ``known`` and ``scope`` as for :func:`chunk_keys`)."""
     if chunked % chunk_tokens:
         raise ValueError("chunked must be a multiple of chunk_tokens")
     ids = _as_ids(token_ids)
-    chunks = chunk_keys(fingerprint, ids[:chunked], chunk_tokens, media, known)
+    chunks = chunk_keys(fingerprint, ids[:chunked], chunk_tokens, media, known, scope)
     parent = chunks[-1].digest if chunks else _ROOT
     last = min(len(ids), chunked + chunk_tokens - 1)
-    return [(n, ObjectKey(Kind.WINDOW, _link(b"v41-window", fingerprint, parent, ids[chunked:n], media, chunked)))
+    namespace = scope.namespace(fingerprint)
+    return [(n, ObjectKey(Kind.WINDOW, _link(b"v41-window", namespace, parent, ids[chunked:n], media, chunked)))
             for n in range(last, chunked - 1, -1)]
 
 
-def response_key(response_id: str) -> ObjectKey:
-    """Key of a stored response (``POST /v1/responses`` with ``store``), by its id."""
-    digest = hashlib.blake2b(response_id.encode(), digest_size=DIGEST_BYTES, person=b"v41-response").digest()
+def _owned(owner: str, record_id: str) -> bytes:
+    """A record's id under its owner (a tenant; "": a server with one): another owner's
+    name of the same id is another key."""
+    return record_id.encode() if not owner else b"%d:%s\0%s" % (len(owner), owner.encode(), record_id.encode())
+
+
+def response_key(response_id: str, owner: str = "") -> ObjectKey:
+    """Key of a stored response (``POST /v1/responses`` with ``store``), by its id and owner."""
+    digest = hashlib.blake2b(_owned(owner, response_id), digest_size=DIGEST_BYTES, person=b"v41-response").digest()
     return ObjectKey(Kind.RESPONSE, digest)
 
 
-def conversation_key(conversation_id: str) -> ObjectKey:
-    """Key of a conversation (``POST /v1/conversations``), by its id."""
-    digest = hashlib.blake2b(conversation_id.encode(), digest_size=DIGEST_BYTES, person=b"v41-conversation").digest()
+def conversation_key(conversation_id: str, owner: str = "") -> ObjectKey:
+    """Key of a conversation (``POST /v1/conversations``), by its id and owner."""
+    digest = hashlib.blake2b(_owned(owner, conversation_id), digest_size=DIGEST_BYTES,
+                             person=b"v41-conversation").digest()
     return ObjectKey(Kind.CONVERSATION, digest)

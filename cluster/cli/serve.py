@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow file:// image URLs naming files under this directory (default: data URLs only)")
     parser.add_argument("--api-key-file", type=Path, default=None,
                         help=f"require the bearer token in this file (or export {API_KEY_ENV})")
+    parser.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
+                        help="tenants: a YAML/JSON file mapping API keys to tenants, each with its own cache, records "
+                        "and share of the queue (docs/tenants.md); read again when it changes")
+    parser.add_argument("--insecure-no-auth", action="store_true",
+                        help="serve on an address other than loopback without any API key")
     parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default=None,
                         help="DSpark speculative decoding when the checkpoint has a drafter (default scheduled)")
     for flag, _, kind, help_text in _FLAGS:
@@ -176,17 +181,40 @@ def app_arguments(args: argparse.Namespace) -> dict:
             app_args[f"{pool}_parallel"] = {**app_args.get(f"{pool}_parallel", {}), "experts": experts}
     if args.image_dir is not None:
         app_args["image_dir"] = str(args.image_dir.resolve())
-    if args.api_key_file is not None:
-        app_args.pop("api_key", None)
+    keys = {"api_key", "api_key_file", "api_keys_file"}
+    if args.api_keys is not None:
+        app_args = {name: value for name, value in app_args.items() if name not in keys}
+        app_args["api_keys_file"] = str(args.api_keys.resolve())
+    elif args.api_key_file is not None:
+        app_args = {name: value for name, value in app_args.items() if name not in keys}
         app_args["api_key_file"] = str(args.api_key_file.resolve())
     elif os.environ.get(API_KEY_ENV):
-        app_args.pop("api_key_file", None)
+        app_args = {name: value for name, value in app_args.items() if name not in keys}
         app_args["api_key"] = os.environ[API_KEY_ENV]
+    if not is_loopback(args.host) and not any(app_args.get(name) for name in keys) and not args.insecure_no_auth:
+        raise UserError(f"--host {args.host} serves beyond this machine, and no API key is set: give --api-keys FILE "
+                        f"or --api-key-file FILE (or export {API_KEY_ENV}), or say --insecure-no-auth")
     try:
         AppConfig.from_args(app_args)
     except ValueError as error:
         raise UserError(str(error)) from None
     return app_args
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is reachable from this machine only."""
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 class _Stopped(BaseException):

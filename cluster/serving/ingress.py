@@ -1,7 +1,7 @@
 """The router: the app's HTTP ingress (a Serve deployment), thin over its parts.
 
-It takes every connection, checks the API key and the body's size, and answers every
-route. A generation request (chat, completions, Responses) makes this trip: its API's
+It takes every connection, finds the caller's tenant by its API key
+(:mod:`cluster.serving.tenants`), checks the body's size, and answers every route. A generation request (chat, completions, Responses) makes this trip: its API's
 adapter parses it once into the internal request (:mod:`cluster.serving.adapter`); the
 prompt is rendered (:mod:`cluster.serving.prompts`); the planner looks up what of it
 is stored and where (:mod:`cluster.serving.planner`); the dispatcher sends it to the
@@ -14,7 +14,6 @@ conversations' routes go to their adapters; ``/health`` to :mod:`cluster.serving
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime.
 
 import asyncio
-import hmac
 import logging
 import time
 from functools import partial
@@ -31,6 +30,7 @@ from actors.events import Token
 from actors.replica import ModelIdentity, node_id, prompt_gil_handoff
 from actors.store import node_store, peer_store
 from cluster.serving.adapter import Adapter, Exchange, Model, Totals
+from cluster.serving.admission import Access, Place, shown
 from cluster.serving.answers import Answer
 from cluster.serving.conversations_adapter import Conversations
 from cluster.serving.dispatcher import ClientGone, Dispatcher, generation_failed
@@ -43,10 +43,12 @@ from cluster.serving.prompts import Prompts
 from cluster.serving.records import Records
 from cluster.serving.responses_adapter import ResponsesAdapter
 from cluster.serving.routing import DecoderLoad, known_replicas
+from cluster.serving.tenants import Tenant
 from cluster.serving.timing import server_timing, store_times
 from cluster.serving.validation import ApiError, parse_json
 
 logger = logging.getLogger("ray.serve")
+
 
 
 # The router takes every connection. A request waiting for a place in a decoder batch
@@ -79,7 +81,7 @@ class Router:
                                      *self._engram(config, model_config), image_token_id=self.prompts.image_token_id)
         self.health_of = PartsHealth((("prefill", self.dispatcher.prefill), ("decoder", self.dispatcher.decoder)),
                                      link, self.metrics)
-        self.api_key = config.resolved_api_key()
+        self.access = Access(config, self.dispatcher.estimate_retry_after)
         # Stored responses and conversations (this node's store actor, reached at the first
         # use; the responses this router wrote lately, up to 64 MiB of JSON, in memory).
         self.records = Records(partial(node_store, config.store_settings(), model.naming.fingerprint.digest),
@@ -120,13 +122,6 @@ class Router:
         return ray.get(holder.client.remote()), hasher
 
     # ------------------------------------------------------------------ plumbing
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
-            raise ApiError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
-
     async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 as soon as it is known to be over the
         limit (before reading it when its Content-Length says so)."""
@@ -157,7 +152,7 @@ class Router:
         ``call()``'s body, or its error in the OpenAI shape. Conversations are refused when
         this server keeps none; a stored response is then simply not found."""
         try:
-            self._authorize(request)
+            self.access.authorize(request)
             if conversations and not self.config.store_responses:
                 raise ApiError(400, "this server keeps no conversations (store_responses is off)",
                                code="conversations_disabled")
@@ -179,10 +174,9 @@ class Router:
         request, tokens = self.prompts.prepare(request)
         return request, parsed, tokens
 
-    async def _dispatch(self, client: Request, adapter: Adapter, marks: dict, start: float):
-        """Parse, render, plan and send a request: (its exchange, each answer's (first
-        token, stream))."""
-        self._authorize(client)
+    async def _dispatch(self, client: Request, adapter: Adapter, marks: dict, start: float, tenant: Tenant):
+        """Parse, render, plan and send a request of ``tenant``: (its exchange, each
+        answer's (first token, stream))."""
         body = await self._body(client)
         # Parsing is off the event loop, so other clients' tokens keep flowing while a
         # request's JSON is read, its images decoded, its grammar compiled, its prompt
@@ -194,7 +188,7 @@ class Router:
         exchange = Exchange(request, parsed, adapter.new_id(), len(tokens), start)
         images = self.prompts.images(request, tokens)
         marks["rendered"] = time.time()
-        plan, windows = await self.planner.plan(tokens, images)
+        plan, windows = await self.planner.plan(tokens, images, tenant.scope)
         marks["planned"] = time.time()
         if plan.windows is not None:  # the index decided what is stored (else the prefill's store does)
             marks["looked_up"] = marks["planned"]
@@ -205,11 +199,28 @@ class Router:
         return exchange, await self.dispatcher.start(sent, client)
 
     async def _serve(self, client: Request, adapter: Adapter):
-        """One request of a generation API."""
+        """One request of a generation API, holding a place of its tenant's until its answer ends."""
         start, endpoint = time.perf_counter(), adapter.endpoint
         marks = {"router_in": time.time(), "replica": None}  # the trip's marks; "replica": where it was sent
         try:
-            exchange, started = await self._dispatch(client, adapter, marks, start)
+            tenant = self.access.authorize(client)
+            place = self.access.enter(tenant)
+        except ApiError as error:
+            return self._refuse(endpoint, marks, error)
+        try:
+            response = await self._serve_as(client, adapter, tenant, marks, start, place)
+        except BaseException:
+            place.leave()
+            raise
+        if not isinstance(response, StreamingResponse):
+            place.leave()
+        return response
+
+    async def _serve_as(self, client: Request, adapter: Adapter, tenant: Tenant, marks: dict, start: float,
+                        place: Place):
+        endpoint = adapter.endpoint
+        try:
+            exchange, started = await self._dispatch(client, adapter, marks, start, tenant)
         except ApiError as error:
             return self._refuse(endpoint, marks, error)
         except ClientGone:
@@ -229,9 +240,9 @@ class Router:
             # Its Server-Timing covers the trip to the first token (the headers go out with it).
             to_first = {**marks, **first.admission.timeline, "first_token": time.time()}
             headers["server-timing"] = server_timing(to_first, first.admission.replica_s, first.admission.prefilled_by)
-            return StreamingResponse(adapter.stream(exchange, answers), media_type="text/event-stream",
-                                     headers=headers)
-        return await self._answer_whole(adapter, exchange, answers, marks, headers)
+            return StreamingResponse(place.until_done(adapter.stream(exchange, answers)),
+                                     media_type="text/event-stream", headers=shown(headers, tenant))
+        return await self._answer_whole(adapter, exchange, answers, marks, headers, tenant)
 
     def _refuse(self, endpoint: str, marks: dict, error: ApiError) -> JSONResponse:
         """A request answered with ``error`` before its first token."""
@@ -247,7 +258,7 @@ class Router:
             self.prompts.remember(answer.chat, answer.tokens)
 
     async def _answer_whole(self, adapter: Adapter, exchange: Exchange, answers: list[Answer], marks: dict,
-                            headers: dict) -> JSONResponse:
+                            headers: dict, tenant: Tenant) -> JSONResponse:
         """The answers read whole, as one body."""
         try:
             await asyncio.gather(*(answer.read() for answer in answers))
@@ -269,9 +280,10 @@ class Router:
         # How many times the prompt was encoded for these answers (1 whatever n).
         prefills = len({(a.timeline.get("prefill_in"), a.timeline.get("prefill_out")) for a in answers})
         admission = first.admission
-        return JSONResponse(body, background=counted, headers={
+        return JSONResponse(body, background=counted, headers=shown({
             "x-v41-replica-ms": f"{1e3 * admission.replica_s:.3f}", "x-v41-prefills": str(prefills), **headers,
-            **store_times(marks), "server-timing": server_timing(marks, admission.replica_s, admission.prefilled_by)})
+            **store_times(marks), "server-timing": server_timing(marks, admission.replica_s, admission.prefilled_by)},
+            tenant))
 
     # ------------------------------------------------------------------ endpoints
     @fastapi_app.post("/v1/chat/completions")

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from actors.events import Kept, Stored, Storing, Token
 from actors.state import CachePlan, StoringConversation, media_of
 from actors.store import STORE_TIMEOUT_S
-from storage.keys import ObjectKey
+from storage.keys import NO_SCOPE, KeyScope, ObjectKey
 
 logger = logging.getLogger("ray.serve")
 
@@ -41,40 +41,43 @@ class Planner:
         self.storing: dict[ObjectKey, tuple[StoringConversation, asyncio.Future]] = {}
         self._following: set[asyncio.Task] = set()
 
-    async def plan(self, tokens: list[int], images: tuple = ()) -> tuple[CachePlan, list[tuple[int, ObjectKey]]]:
+    async def plan(self, tokens: list[int], images: tuple = (),
+                   scope: KeyScope = NO_SCOPE) -> tuple[CachePlan, list[tuple[int, ObjectKey]]]:
         """Which leading chunks of the prompt are stored, where, and which window state
         after them the index knows of (one Redis round trip, two after a gap); and
         every window state the prompt could resume from after those chunks, known or
         not, as ``(length, key)`` (none without an index). ``images``: the prompt's
-        :class:`actors.state.PromptImage` (their digests name the chunks that hold them).
-        A conversation the prompt continues, or shares a chunk with, whose store is still
+        :class:`actors.state.PromptImage` (their digests name the chunks that hold them);
+        ``scope``: the tenant's, whose names alone the prompt may hit. A conversation the prompt continues, or shares a chunk with, whose store is still
         running is waited for (the wait is part of the ``plan`` stage)."""
         media = media_of(images)
-        keys = self.naming.chunks(tokens, media=media)
+        keys = self.naming.chunks(tokens, media=media, scope=scope)
         named = tuple(keys)
         if self.storing:
-            await self.wait_for_stores(tokens, named, media)
+            await self.wait_for_stores(tokens, named, media, scope)
+        unlocated = CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images, scope=scope)
         if self.index is None:  # one node: its store knows
-            return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images), []
+            return unlocated, []
         size = self.naming.chunk_tokens
         usable = max(0, min(len(keys), (len(tokens) - 1) // size))  # the prefill encodes the last token
-        windows = self.naming.window_candidates(tokens[:-1], usable * size, named, media)
+        windows = self.naming.window_candidates(tokens[:-1], usable * size, named, media, scope)
         now = time.time()
         located = self.index.locate(keys + [key for _, key in windows], now)
         if located is None:  # Redis away: as on one node, the prefill's own store decides
-            return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images), windows
+            return unlocated, windows
         found_windows = located[len(keys):]
         depth = 0
         while depth < len(keys) and located[depth]:
             depth += 1
         if depth < usable:  # a gap: the windows after the stored run instead
-            windows = self.naming.window_candidates(tokens[:-1], depth * size, named, media)
+            windows = self.naming.window_candidates(tokens[:-1], depth * size, named, media, scope)
             found_windows = self.index.locate([key for _, key in windows], now)
             if found_windows is None:
-                return CachePlan(tuple(tokens), len(keys), chunk_keys=named, images=images), windows
+                return unlocated, windows
         known = tuple((window, locations) for window, locations in zip(windows, found_windows) if locations)
         nodes = _nodes([known[0][1]] if known else [], located[depth - 1] if depth else None)
-        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named, images), windows
+        return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named, images,
+                         scope), windows
 
     def take_resident(self, tokens: list[int], windows: list[tuple[int, ObjectKey]],
                       single: bool) -> tuple[ObjectKey, Kept] | None:
@@ -90,7 +93,8 @@ class Planner:
                 return (key, kept) if len(tokens) - length <= self.resume_tokens else None
         return None
 
-    async def wait_for_stores(self, tokens: list[int], named: tuple[ObjectKey, ...], media: tuple) -> None:
+    async def wait_for_stores(self, tokens: list[int], named: tuple[ObjectKey, ...], media: tuple,
+                              scope: KeyScope = NO_SCOPE) -> None:
         """Wait (up to the store's timeout) for the stores still running of the
         conversations this prompt continues or shares a new chunk with: an agent's
         next turn, sent the moment the answer was out, then finds every chunk of its
@@ -102,7 +106,7 @@ class Planner:
         running = [done for conversation, done in self.storing.values()
                    if not chunks.isdisjoint(conversation.keys[:-1])
                    or (conversation.length < len(ids)
-                       and self.naming.window(ids[: conversation.length], named, media) == conversation.window)]
+                       and self.naming.window(ids[: conversation.length], named, media, scope) == conversation.window)]
         if running:
             started = time.perf_counter()
             await asyncio.wait(running, timeout=STORE_TIMEOUT_S)

@@ -1,7 +1,8 @@
 """The router's stored records: Responses API responses and Conversations API conversations.
 
 A record is JSON in the tiered store (:mod:`storage`), under a key made from its id
-(``response_key``, ``conversation_key``): written to this node's store actor and
+and its owner, the tenant that asks (:data:`cluster.serving.tenants.OWNER`; another
+tenant's id names another key, so it reads as unknown): written to this node's store actor and
 indexed in Redis, so any node's router finds it (its own store first, then the nodes
 the index names).
 
@@ -27,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from cluster.serving import conversations_api
 from cluster.serving.response_items import encoded, read_record
+from cluster.serving.tenants import OWNER
 from cluster.serving.validation import ApiError
 from storage.keys import ObjectKey, conversation_key, response_key
 
@@ -36,30 +38,35 @@ LOCK_S = 30.0  # a conversation's Redis lock expires after this (a router that d
 LOCK_WAIT_S = 10.0  # a change waits this long for another router's, then is a 409
 
 
+def _mine(record_id: str) -> tuple[str, str]:
+    """A record's id in this router's memory: with its owner's name."""
+    return OWNER.get(), record_id
+
+
 class RecentRecords:
-    """The records of the latest stored responses by id, up to ``capacity`` bytes of
-    their JSON, least recently used out first."""
+    """The records of the latest stored responses by (owner, id), up to ``capacity``
+    bytes of their JSON, least recently used out first."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._records: OrderedDict[str, tuple[dict, int]] = OrderedDict()
+        self._records: OrderedDict[tuple[str, str], tuple[dict, int]] = OrderedDict()
         self._bytes = 0
 
-    def put(self, rid: str, stored: dict, size: int) -> None:
+    def put(self, rid: tuple[str, str], stored: dict, size: int) -> None:
         self.pop(rid)
         self._records[rid] = (stored, size)
         self._bytes += size
         while self._bytes > self.capacity:
             self._bytes -= self._records.popitem(last=False)[1][1]
 
-    def get(self, rid: str) -> dict | None:
+    def get(self, rid: tuple[str, str]) -> dict | None:
         found = self._records.get(rid)
         if found is None:
             return None
         self._records.move_to_end(rid)
         return found[0]
 
-    def pop(self, rid: str) -> None:
+    def pop(self, rid: tuple[str, str]) -> None:
         found = self._records.pop(rid, None)
         if found is not None:
             self._bytes -= found[1]
@@ -122,10 +129,10 @@ class Records:
     async def response(self, rid: str) -> dict | None:
         """A stored response's record: the ones kept in memory, then this node's store,
         then the nodes the cluster index says hold it; None if none has it."""
-        found = self.kept.get(rid)
+        found = self.kept.get(_mine(rid))
         if found is not None:
             return found
-        key = response_key(rid)
+        key = response_key(rid, OWNER.get())
         if (found := read_record(await self._get(await self.node_store(), key))) is not None:
             return found
         for peer in await asyncio.to_thread(self._peers, key):
@@ -136,34 +143,34 @@ class Records:
     async def keep_response(self, rid: str, stored: dict) -> None:
         """Keep a response's record in memory, and store and index it in this node's
         store while the client gets the answer."""
-        payload = encoded(stored)
-        self.kept.put(rid, stored, len(payload))
+        payload, mine, key = encoded(stored), _mine(rid), response_key(rid, OWNER.get())
+        self.kept.put(mine, stored, len(payload))
         store = await self.node_store()
         if store is None:
             return
 
         async def put() -> None:
             try:
-                if not await store.put_now([(response_key(rid), payload)]):
+                if not await store.put_now([(key, payload)]):
                     logger.warning("response %s: the store did not confirm it in time", rid)
             finally:
-                self._keeping.pop(rid, None)
+                self._keeping.pop(mine, None)
 
-        self._keeping[rid] = asyncio.ensure_future(put())
+        self._keeping[mine] = asyncio.ensure_future(put())
 
     async def forget_response(self, rid: str) -> None:
         """Delete a stored response from memory, this node's store and every other that holds it."""
-        key = response_key(rid)
-        self.kept.pop(rid)
-        if rid in self._keeping:  # (its store must not land after the delete)
-            await self._keeping[rid]
+        key, mine = response_key(rid, OWNER.get()), _mine(rid)
+        self.kept.pop(mine)
+        if mine in self._keeping:  # (its store must not land after the delete)
+            await self._keeping[mine]
         await self._remove_from([await self.node_store(), *await asyncio.to_thread(self._peers, key)], key)
 
     # ------------------------------------------------------------------ conversations
     async def _copies(self, cid: str) -> tuple[dict | None, list]:
         """The newest copy of a conversation any node holds (None: there is none), and
         the store actors of the other nodes that hold one."""
-        key = conversation_key(cid)
+        key = conversation_key(cid, OWNER.get())
         local, peers = await asyncio.gather(self._get(await self.node_store(), key),
                                             asyncio.to_thread(self._peers, key))
         copies = [local, *await asyncio.gather(*(self._get(peer, key) for peer in peers))]
@@ -189,7 +196,7 @@ class Records:
         copies of the ``stale`` stores (other nodes'); a 503 if this node's store does
         not take it."""
         cid, store = record["conversation"]["id"], await self.node_store()
-        key = conversation_key(cid)
+        key = conversation_key(cid, OWNER.get())
         # (put_now is False when Redis did not take the index entry: the store holds it all the same)
         if store is None or (not await store.put_now([(key, encoded(record))])
                              and (conversations_api.read(await self._get(store, key), cid) or {}).get("version")
@@ -203,14 +210,15 @@ class Records:
         async with self._turn(cid):
             record, peers = await self._copies(cid)
             if record is not None:
-                await self._remove_from([await self.node_store(), *peers], conversation_key(cid))
+                await self._remove_from([await self.node_store(), *peers], conversation_key(cid, OWNER.get()))
         return record is not None
 
     @contextlib.asynccontextmanager
     async def _turn(self, cid: str) -> AsyncIterator[None]:
         """Hold a conversation while it changes: this router's other changes to it wait,
         and (while Redis is up) other routers' too; a 409 after ``LOCK_WAIT_S``."""
-        entry = self._turns.setdefault(cid, [asyncio.Lock(), 0])  # (the lock, requests using it)
+        mine = _mine(cid)
+        entry = self._turns.setdefault(mine, [asyncio.Lock(), 0])  # (the lock, requests using it)
         entry[1] += 1
         try:
             async with entry[0]:
@@ -228,10 +236,11 @@ class Records:
         finally:
             entry[1] -= 1
             if not entry[1]:
-                del self._turns[cid]
+                del self._turns[mine]
 
     def _redis_lock(self, cid: str):
         if self.link is None or not self.link.up:
             return None
-        return self.link.client.lock(self.link.key("conversation-turn", cid), timeout=LOCK_S,
-                                     blocking_timeout=LOCK_WAIT_S, thread_local=False, sleep=0.01)
+        name = self.link.key("conversation-turn", conversation_key(cid, OWNER.get()).hex)
+        return self.link.client.lock(name, timeout=LOCK_S, blocking_timeout=LOCK_WAIT_S, thread_local=False,
+                                     sleep=0.01)

@@ -43,7 +43,7 @@ def test_app_arguments_are_validated():
     assert resolve_model("tests/golden/A") == ROOT / "tests" / "golden" / "A"
     with pytest.raises(ValueError, match="decoder_max_replicas"):
         AppConfig.from_args({"decoder_replicas": 2, "decoder_max_replicas": 1})
-    with pytest.raises(ValueError, match="api_key or api_key_file"):
+    with pytest.raises(ValueError, match="one of api_key, api_key_file and api_keys_file"):
         AppConfig.from_args({"api_key": "k", "api_key_file": "/k"})
 
 

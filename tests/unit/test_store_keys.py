@@ -171,3 +171,32 @@ def test_known_chunk_keys_continue_the_chain():
     assert chunk_keys(fp, ids[: 4 * 16], 16, known=full) == full[:4]  # known keys past the tokens are ignored
     assert window_key(fp, ids, 16, known=full[:5]) == window_key(fp, ids, 16)
     assert window_keys_after(fp, ids, 16, 48, known=full[:3]) == window_keys_after(fp, ids, 16, 48)
+
+
+def test_a_scope_salts_every_name_but_a_shared_prefixs_chunks():
+    """Two tenants' chains never meet, however alike their tokens; chunks wholly within
+    the shared prefix are named as a server with one tenant names them (no salt), the
+    chain goes on from them under each tenant's salt; window states are always salted;
+    stored records are named under their owner."""
+    from storage.keys import KeyScope, conversation_key, response_key
+
+    fp = Fingerprint.of("m", {"a": 1})
+    ids = list(range(500, 500 + 6 * 16 + 3))
+    plain = chunk_keys(fp, ids, 16)
+    a, b = KeyScope(b"a" * 16), KeyScope(b"b" * 16)
+    ka, kb = chunk_keys(fp, ids, 16, scope=a), chunk_keys(fp, ids, 16, scope=b)
+    assert chunk_keys(fp, ids, 16, scope=KeyScope()) == plain
+    assert not set(ka) & set(kb) and not set(ka) & set(plain)
+    shared_a, shared_b = KeyScope(b"a" * 16, 40), KeyScope(b"b" * 16, 40)
+    sa, sb = chunk_keys(fp, ids, 16, scope=shared_a), chunk_keys(fp, ids, 16, scope=shared_b)
+    assert sa[:2] == sb[:2] == plain[:2]  # tokens 0..31 lie within the shared 40; chunk 2 (32..47) does not
+    assert sa[2] != sb[2] and sa[2] != plain[2] and not set(sa[2:]) & set(sb[2:])
+    assert window_key(fp, ids[:20], 16, scope=shared_a) != window_key(fp, ids[:20], 16, scope=shared_b)
+    assert window_key(fp, ids, 16, known=sa[:3], scope=shared_a) == window_key(fp, ids, 16, scope=shared_a)
+    assert window_keys_after(fp, ids, 16, 48, scope=a) == [(n, window_key(fp, ids[:n], 16, scope=a))
+                                                           for n, _ in window_keys_after(fp, ids, 16, 48)]
+    assert response_key("resp_1") == response_key("resp_1", "") != response_key("resp_1", "acme")
+    assert response_key("resp_1", "acme") != response_key("resp_1", "other")
+    assert conversation_key("conv_1", "a") != conversation_key("conv_1", "b") != conversation_key("conv_1")
+    # The owner's name is length-prefixed: no two (owner, id) pairs run together.
+    assert response_key("1:b", "a") != response_key("b", "a:1")

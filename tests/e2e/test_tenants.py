@@ -1,0 +1,147 @@
+"""Tenants end to end through the OpenAI SDK (docs/tenants.md): one deployment, an
+API-keys file; each tenant's cached prefixes, stored records and share of the router's
+places are its own, a system prompt shared on purpose hits for every sharing tenant,
+and the debugging headers are shown only to a tenant allowed them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+MODEL = "deepseek-v4.1-small"
+SHARED_TOKENS = 64  # two of the harness's 32-token chunks
+KEYS = """
+tenants:
+  acme: {keys: [sk-acme], share_prefixes: true, max_concurrent: 40}
+  globex: {keys: [sk-globex]}
+  initech: {keys: [sk-initech], share_prefixes: true}
+  ops: {keys: [sk-ops], debug_headers: true}
+"""
+SYSTEM = "You review Python code for a bank. Be exact and brief.\n" * 6  # far beyond 64 tokens
+
+
+@pytest.fixture(scope="module")
+def app(serve_runtime, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tenants")
+    (folder / "keys.yaml").write_text(KEYS)
+    (folder / "secret").write_bytes(os.urandom(32))
+    with serve_runtime.app(folder, api_keys_file=str(folder / "keys.yaml"), cache_secret_file=str(folder / "secret"),
+                           shared_prefix_tokens=SHARED_TOKENS) as (url, _redis):
+        yield url
+
+
+def _client(app: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _chat(client: openai.OpenAI, messages: list[dict]):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
+                                                           temperature=0)
+    return raw.parse(), raw.headers
+
+
+def test_a_conversation_is_cached_for_its_tenant_alone(app):
+    acme, globex, initech = (_client(app, f"sk-{name}") for name in ("acme", "globex", "initech"))
+    first = [{"role": "system", "content": SYSTEM},
+             {"role": "user", "content": "def transfer(a, b, amount):\n    a.balance -= amount\n" * 5}]
+    one, headers = _chat(acme, first)
+    assert one.usage.prompt_tokens_details.cached_tokens == 0
+    assert not [name for name in headers if name.startswith("x-v41-") or name == "server-timing"]
+    # Another tenant sending acme's exact conversation hits nothing of it: not even the
+    # system prompt, since globex does not share prefixes.
+    copy, headers = _chat(globex, first)
+    assert copy.usage.prompt_tokens_details.cached_tokens == 0
+    assert not [name for name in headers if name.startswith("x-v41-") or name == "server-timing"]
+    # acme's next turn reads everything but the answer's last token from its cache.
+    second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                      {"role": "user", "content": "and the audit log?"}]
+    two, _ = _chat(acme, second)
+    assert two.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens + one.usage.completion_tokens - 1
+    # A tenant that shares prefixes hits the shared chunks of acme's system prompt, and
+    # no more, though acme stored all of it (144 tokens: 4 whole chunks).
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "def audit(log):\n    pass\n" * 5}]
+    shared, _ = _chat(initech, other)
+    assert shared.usage.prompt_tokens_details.cached_tokens == SHARED_TOKENS
+    # Sending acme's conversation, it hits the 4 chunks of the system prompt it stored
+    # itself just now, none of acme's user text.
+    copy_of_first, _ = _chat(initech, first)
+    assert copy_of_first.usage.prompt_tokens_details.cached_tokens == 4 * 32
+
+
+def test_the_debug_headers_are_for_a_tenant_allowed_them(app):
+    messages = [{"role": "user", "content": "import os\n" * 8}]
+    _, headers = _chat(_client(app, "sk-ops"), messages)
+    assert headers["x-v41-prefilled-by"] in ("pool", "decoder") and "server-timing" in headers
+    stream = _client(app, "sk-acme").chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=True)
+    assert not [name for name in stream.headers if name.startswith("x-v41-") or name == "server-timing"]
+    assert [chunk for chunk in stream.parse()]
+
+
+def test_a_key_not_in_the_file_is_refused(app):
+    for key in ("sk-nobody", "sk-acm", "sk-acme-1"):
+        with pytest.raises(openai.AuthenticationError):
+            _client(app, key).models.list()
+    assert [m.id for m in _client(app, "sk-globex").models.list().data] == [MODEL]
+
+
+def test_a_tenants_records_are_unknown_to_another(app):
+    acme, globex = _client(app, "sk-acme"), _client(app, "sk-globex")
+    stored = acme.responses.create(model=MODEL, input="def f():\n" * 4, max_output_tokens=8, store=True)
+    conversation = acme.conversations.create(items=[{"type": "message", "role": "user", "content": "hello"}])
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.retrieve(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        globex.responses.delete(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        globex.conversations.retrieve(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        globex.conversations.delete(conversation.id)
+    with pytest.raises(openai.NotFoundError):
+        globex.conversations.items.list(conversation.id)
+    # Continuing another's response or conversation answers as for an unknown id (OpenAI's 400, naming it).
+    with pytest.raises(openai.BadRequestError) as error:
+        globex.responses.create(model=MODEL, input="go on", previous_response_id=stored.id, max_output_tokens=4)
+    assert error.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as error:
+        globex.responses.create(model=MODEL, input="go on", conversation=conversation.id, max_output_tokens=4)
+    assert error.value.body["param"] == "conversation"
+    # Nothing of acme's was changed by the attempts.
+    assert acme.responses.retrieve(stored.id).id == stored.id
+    assert acme.conversations.retrieve(conversation.id).id == conversation.id
+    again = acme.responses.create(model=MODEL, input="go on", previous_response_id=stored.id, max_output_tokens=4)
+    assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_one_tenants_flood_fills_its_own_share(app):
+    """300 requests of one tenant at once: beyond its 40 places they are refused (429,
+    ``tenant_limit``); another tenant's requests, sent meanwhile, are all answered."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "import sys\n" * 4}], "max_tokens": 4}
+
+    async def flood() -> tuple[list[int], list[int], list[str]]:
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        async with httpx.AsyncClient(base_url=f"{app}/v1", timeout=300, limits=limits) as http:
+            refused = asyncio.Event()
+
+            async def send(key: str) -> tuple[int, str]:
+                answer = await http.post("/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+                code = answer.json()["error"]["code"] if answer.status_code != 200 else ""
+                if answer.status_code == 429:
+                    refused.set()
+                return answer.status_code, code
+
+            acme = [asyncio.ensure_future(send("sk-acme")) for _ in range(300)]
+            await asyncio.wait_for(refused.wait(), 120)  # acme is at its limit now
+            others = await asyncio.gather(*(send("sk-globex") for _ in range(5)))
+            flood = await asyncio.gather(*acme)
+        return [s for s, _ in flood], [s for s, _ in others], [c for s, c in flood if s == 429]
+
+    flooded, others, codes = asyncio.run(flood())
+    assert others == [200] * 5
+    assert flooded.count(200) >= 40 and flooded.count(429) > 0 and set(flooded) == {200, 429}
+    assert set(codes) == {"tenant_limit"}
