@@ -124,9 +124,10 @@ class AppConfig(BaseModel):
     # API keys to tenants, each with its own cache namespace, stored records and share of
     # the router's places; read again when it changes. Excludes api_key and api_key_file.
     api_keys_file: str | None = None
-    # The secret the tenants' cache salts derive from (at least 16 bytes in the file);
-    # None: one the router makes once in the user's v41 cache folder. Routers on several
-    # nodes must share it (name one file they all read).
+    # The cluster's secret (a file of at least 16 bytes that every node holds, 0600): it
+    # keys every stored object's MAC (storage/codec.py) and the tenants' cache salts.
+    # None: the MAC is keyed by the model's fingerprint (a checksum), and the router makes
+    # the salts' secret once in the user's v41 cache folder. `v41 serve` names one.
     cache_secret_file: str | None = None
     # The leading tokens of a prompt that tenants with share_prefixes name in the
     # deployment's shared namespace (a system prompt every tenant sends hits for all).
@@ -226,7 +227,8 @@ class AppConfig(BaseModel):
         from actors.store import StoreSettings
 
         return StoreSettings(ssd_dir=self.ssd_dir, redis_url=self.redis_url,
-                             redis_stores_bytes=self.redis_stores_bytes, retention=self.retention())
+                             redis_stores_bytes=self.redis_stores_bytes, retention=self.retention(),
+                             secret_file=self.cache_secret_file)
 
 
 def _describe(error: dict) -> str:

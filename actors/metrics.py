@@ -20,23 +20,34 @@ def depth_label(prompt_tokens: int) -> str:
     return f"{1 << (prompt_tokens.bit_length() - 1) >> 10}K"
 
 
+def tenant_label(tenant: str) -> str:
+    """A tenant's metric label: its name, or ``(none)`` for a server without tenants."""
+    return tenant or "(none)"
+
+
 class RouterMetrics:
-    """Per request: time to first token, time per output token, tokens, cache hits."""
+    """Per request: time to first token, time per output token, tokens, cache hits; the
+    requests, tokens, cache hits and queue wait also by tenant (``tenant``: its name in
+    the API-keys file, ``(none)`` without one)."""
 
     def __init__(self) -> None:
         self.ttft = metrics.Histogram("v41_ttft_seconds", "time to first token, by prompt depth",
                                       boundaries=_LATENCY_BOUNDS, tag_keys=("endpoint", "depth"))
         self.tpot = metrics.Histogram("v41_time_per_output_token_seconds", "time per output token after the first, "
                                       "by prompt depth", boundaries=_LATENCY_BOUNDS, tag_keys=("endpoint", "depth"))
-        self.requests = metrics.Counter("v41_requests_total", "requests by endpoint and status",
-                                        tag_keys=("endpoint", "status"))
-        self.prompt_tokens = metrics.Counter("v41_prompt_tokens_total", "prompt tokens")
-        self.cached_tokens = metrics.Counter("v41_cached_prompt_tokens_total", "prompt tokens read from the store")
-        self.output_tokens = metrics.Counter("v41_output_tokens_total", "generated tokens")
+        self.requests = metrics.Counter("v41_requests_total", "requests by endpoint, status and tenant",
+                                        tag_keys=("endpoint", "status", "tenant"))
+        self.prompt_tokens = metrics.Counter("v41_prompt_tokens_total", "prompt tokens, by tenant",
+                                             tag_keys=("tenant",))
+        self.cached_tokens = metrics.Counter("v41_cached_prompt_tokens_total", "prompt tokens read from the store, "
+                                             "by tenant", tag_keys=("tenant",))
+        self.output_tokens = metrics.Counter("v41_output_tokens_total", "generated tokens, by tenant",
+                                             tag_keys=("tenant",))
         self.waiting = metrics.Gauge("v41_requests_waiting", "requests sent to the pools without a first token yet "
                                      "(queued for a place in a batch, or in their prefill)")
         self.queue_wait = metrics.Histogram("v41_queue_wait_seconds", "time a ready request waited for a place in "
-                                            "a decoder batch", boundaries=_LATENCY_BOUNDS)
+                                            "a decoder batch, by tenant", boundaries=_LATENCY_BOUNDS,
+                                            tag_keys=("tenant",))
         self.store_wait = metrics.Histogram("v41_store_wait_seconds", "time a turn waited for the store of the "
                                             "conversation it continues (its last answer had just gone out)",
                                             boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 5.0])
@@ -52,14 +63,16 @@ class RouterMetrics:
         self.stores_down.set(stores_down)
 
     def record(self, endpoint: str, status: str, prompt: int = 0, cached: int = 0, output: int = 0,
-               ttft: float | None = None, total: float | None = None) -> None:
-        self.requests.inc(tags={"endpoint": endpoint, "status": status})
+               ttft: float | None = None, total: float | None = None, tenant: str = "") -> None:
+        """One request's end (``tenant``: whose; "" without tenants)."""
+        tenant = tenant_label(tenant)
+        self.requests.inc(tags={"endpoint": endpoint, "status": status, "tenant": tenant})
         if prompt:
-            self.prompt_tokens.inc(prompt)
+            self.prompt_tokens.inc(prompt, tags={"tenant": tenant})
         if cached:
-            self.cached_tokens.inc(cached)
+            self.cached_tokens.inc(cached, tags={"tenant": tenant})
         if output:
-            self.output_tokens.inc(output)
+            self.output_tokens.inc(output, tags={"tenant": tenant})
         if ttft is not None:
             tags = {"endpoint": endpoint, "depth": depth_label(prompt)}
             self.ttft.observe(ttft, tags=tags)

@@ -15,7 +15,8 @@ import torch
 
 from model.runtime.cache import SequenceCache
 from model.runtime.serialize import StateIdentity, chunk_granularity
-from storage.keys import NO_SCOPE, Fingerprint, KeyScope, MediaSpan, ObjectKey, chunk_keys, window_key, window_keys_after
+from storage.keys import (NO_SCOPE, Fingerprint, KeyScope, MediaSpan, ObjectKey, chunk_keys, window_key,
+                          window_keys_after)
 
 
 @dataclass(frozen=True)

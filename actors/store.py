@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayError
@@ -28,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from storage.keys import Fingerprint, ObjectKey
 from storage.policy import RetentionPolicy
+from storage.private import read_secret
 from storage.slots import Slot, claim
 from storage.store import StoreConfig, TieredStore
 
@@ -44,9 +46,19 @@ class StoreSettings:
     redis_url: str | None = None
     redis_stores_bytes: bool = False
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    # The cluster's secret, which keys every stored object's MAC: a file each node reads
+    # (None: the MAC is keyed by the model's fingerprint, a checksum against accidents).
+    secret_file: str | None = None
 
     def open(self, node_id: str, fingerprint: Fingerprint) -> tuple[TieredStore, Slot | None]:
         """The node's store, on the SSD slot this process claims for it."""
+        secret = None
+        if self.secret_file is not None:
+            try:
+                secret = read_secret(Path(self.secret_file))
+            except OSError as error:
+                raise ValueError(f"node {node_id}: cannot read cache_secret_file {self.secret_file} "
+                                 f"({error.strerror}); every node needs a copy of it (0600)") from None
         slot = None
         if self.ssd_dir is not None:
             slot = claim(self.ssd_dir, os.environ.get(NODE_NAME_ENV) or None,
@@ -54,7 +66,7 @@ class StoreSettings:
         config = StoreConfig(node_id=node_id, ssd_dir=slot.path if slot else None, redis_url=self.redis_url,
                              redis_stores_bytes=self.redis_stores_bytes, retention=self.retention)
         try:
-            return TieredStore(config, fingerprint), slot
+            return TieredStore(config, fingerprint, secret=secret), slot
         except BaseException:
             if slot is not None:
                 slot.release()

@@ -40,3 +40,34 @@ def write_private(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(temp, path)
+
+
+SECRET_BYTES = 32
+MIN_SECRET_BYTES = 16
+
+
+def read_secret(path: Path) -> bytes:
+    """A secret kept in a file (its bytes, surrounding whitespace stripped): at least
+    ``MIN_SECRET_BYTES``, else a ValueError naming the file."""
+    secret = Path(path).read_bytes().strip()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{path} holds {len(secret)} bytes; a secret needs at least {MIN_SECRET_BYTES}")
+    return secret
+
+
+def own_secret(path: Path) -> bytes:
+    """The secret in ``path``, made there first if there is none: ``SECRET_BYTES``
+    random bytes, 0600, its missing folders 0700; never replaced (the first of two
+    processes that make it at once wins, and both read its bytes)."""
+    make_private_dirs(path.parent)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+    except FileExistsError:
+        return read_secret(path)
+    try:
+        secret = os.urandom(SECRET_BYTES)
+        os.write(fd, secret)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return secret

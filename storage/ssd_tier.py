@@ -234,7 +234,7 @@ class SsdTier(LocalTier):
             else:  # two syscalls, so that the payload is read straight into the bytes returned
                 header = codec.check_header(key, os.pread(fd, HEADER_BYTES, 0))
                 payload = os.pread(fd, header[0] + 1, HEADER_BYTES)
-                codec.check_payload(header, payload)
+                codec.check_payload(key, header, payload)
         except (CorruptObject, OSError):
             self._drop(key, entry, "corrupt")
             return None

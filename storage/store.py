@@ -89,9 +89,10 @@ class TieredStore:
     def __init__(self, config: StoreConfig, fingerprint: Fingerprint, *,
                  clock: Callable[[], float] = time.time, ssd_write: WriteFile = write_all,
                  on_drop: Callable[[ObjectKey, Location], None] | None = None,
-                 drops_from: Collection[TierName] = tuple(TierName)) -> None:
+                 drops_from: Collection[TierName] = tuple(TierName), secret: bytes | None = None) -> None:
         """``on_drop``: told of every copy a tier in ``drops_from`` lets go (evicted,
-        expired, corrupt, removed), with where it was."""
+        expired, corrupt, removed), with where it was. ``secret``: the cluster's, which
+        keys every object's MAC (:mod:`storage.codec`; None: the fingerprint does)."""
         self.config = config
         self._on_drop = on_drop
         self._drops_from = frozenset(drops_from)
@@ -103,7 +104,7 @@ class TieredStore:
         # The kinds each lower tier takes (a set of ints: the write path's test, without enum look-ups).
         self._lower_kinds = {tier: frozenset(self._retention[tier]) for tier in (TierName.SSD, TierName.REDIS)}
         self._clock = clock
-        self._codec = Codec(fingerprint)
+        self._codec = Codec(fingerprint, secret)
         self._counters = {tier: TierCounters() for tier in TierName}
         self._gc_runs = 0
         self._here = {tier: Location(config.node_id, tier) for tier in (TierName.RAM, TierName.SSD)}

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
                         help="tenants: a YAML/JSON file mapping API keys to tenants, each with its own cache, records "
                         "and share of the queue (docs/tenants.md); read again when it changes")
+    parser.add_argument("--cache-secret-file", type=Path, default=None, metavar="FILE",
+                        help="the cluster's secret, which keys every stored object's MAC and the tenants' cache salts "
+                        "(default: one made once in the v41 cache folder; on several machines copy one to each)")
     parser.add_argument("--insecure-no-auth", action="store_true",
                         help="serve on an address other than loopback without any API key")
     parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default=None,
@@ -191,6 +194,15 @@ def app_arguments(args: argparse.Namespace) -> dict:
     elif os.environ.get(API_KEY_ENV):
         app_args = {name: value for name, value in app_args.items() if name not in keys}
         app_args["api_key"] = os.environ[API_KEY_ENV]
+    if args.cache_secret_file is not None:
+        app_args["cache_secret_file"] = str(args.cache_secret_file.resolve())
+    elif not app_args.get("cache_secret_file"):
+        from storage.private import own_secret
+        from storage.slots import cache_home
+
+        path = cache_home() / "cache-secret"
+        own_secret(path)  # (made here once, 0600: the stores and the router read it)
+        app_args["cache_secret_file"] = str(path)
     if not is_loopback(args.host) and not any(app_args.get(name) for name in keys) and not args.insecure_no_auth:
         raise UserError(f"--host {args.host} serves beyond this machine, and no API key is set: give --api-keys FILE "
                         f"or --api-key-file FILE (or export {API_KEY_ENV}), or say --insecure-no-auth")

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from ray.serve.exceptions import BackPressureError
 
 from actors.events import Kept, Token, TokenStream
+from actors.metrics import tenant_label
 from actors.state import CachePlan
 from cluster.serving.request import GenerationRequest
+from cluster.serving.tenants import OWNER
 from cluster.serving.validation import ApiError
 
 logger = logging.getLogger("ray.serve")
@@ -199,7 +201,7 @@ class Dispatcher:
         ready = timeline.get("prefill_out") if admission.prefilled_by == "pool" else marks.get("router_sent")
         admitted = timeline.get("admitted")
         waited = max(0.0, admitted - ready) if admitted is not None and ready is not None else 0.0
-        self.metrics.queue_wait.observe(waited)
+        self.metrics.queue_wait.observe(waited, tags={"tenant": tenant_label(OWNER.get())})
         return 1e3 * waited
 
     def estimate_retry_after(self, queued: int) -> int:

@@ -1,8 +1,9 @@
 """The router: the app's HTTP ingress (a Serve deployment), thin over its parts.
 
 It takes every connection, finds the caller's tenant by its API key
-(:mod:`cluster.serving.tenants`), checks the body's size, and answers every route. A generation request (chat, completions, Responses) makes this trip: its API's
-adapter parses it once into the internal request (:mod:`cluster.serving.adapter`); the
+(:mod:`cluster.serving.admission`), checks the body's size, and answers every route. A
+generation request (chat, completions, Responses) makes this trip: its API's adapter
+parses it once into the internal request (:mod:`cluster.serving.adapter`); the
 prompt is rendered (:mod:`cluster.serving.prompts`); the planner looks up what of it
 is stored and where (:mod:`cluster.serving.planner`); the dispatcher sends it to the
 prefill and decoder pools and waits for the first token (:mod:`cluster.serving.dispatcher`);
@@ -43,6 +44,7 @@ from cluster.serving.prompts import Prompts
 from cluster.serving.records import Records
 from cluster.serving.responses_adapter import ResponsesAdapter
 from cluster.serving.routing import DecoderLoad, known_replicas
+from cluster.serving import tenants
 from cluster.serving.tenants import Tenant
 from cluster.serving.timing import server_timing, store_times
 from cluster.serving.validation import ApiError, parse_json
@@ -89,9 +91,9 @@ class Router:
         self.conversations = Conversations(self.records)
         parsing = Model(config.model_name, config.max_answer_tokens, model_config.text.vocab_size,
                         self.prompts.image_reader, config.max_images_per_request)
-        self.chat_api = ChatAdapter(parsing, self._count, self.metrics.record)
-        self.completions_api = CompletionsAdapter(parsing, self._count, self.metrics.record)
-        self.responses_api = ResponsesAdapter(parsing, self._count, self.metrics.record, self.records,
+        self.chat_api = ChatAdapter(parsing, self._count, self._record)
+        self.completions_api = CompletionsAdapter(parsing, self._count, self._record)
+        self.responses_api = ResponsesAdapter(parsing, self._count, self._record, self.records,
                                               self.conversations, config.store_responses)
 
     @staticmethod
@@ -160,11 +162,15 @@ class Router:
         except ApiError as error:
             return json_error(error)
 
+    def _record(self, *args) -> None:
+        """``metrics.record`` of the request's tenant (:data:`~cluster.serving.tenants.OWNER`)."""
+        self.metrics.record(*args, tenant=tenants.OWNER.get())  # (the module: Serve pickles this class by value)
+
     async def _count(self, *args) -> None:
-        """``metrics.record`` as a coroutine: Starlette would run a plain function in a
-        worker thread, one more thread for the event loop to share the GIL with."""
+        """``_record`` as a coroutine: Starlette would run a plain function in a worker
+        thread, one more thread for the event loop to share the GIL with."""
         self.dispatcher.finished.append(time.monotonic())
-        self.metrics.record(*args)
+        self._record(*args)
 
     # ------------------------------------------------------------------ generation
     def _prepare(self, adapter: Adapter, data: dict, history: list[dict]):
@@ -247,7 +253,7 @@ class Router:
     def _refuse(self, endpoint: str, marks: dict, error: ApiError) -> JSONResponse:
         """A request answered with ``error`` before its first token."""
         self.dispatcher.release(marks)
-        self.metrics.record(endpoint, str(error.status))
+        self._record(endpoint, str(error.status))
         return json_error(error)
 
     def _finish_answer(self, answer: Answer, last: Token) -> None:
@@ -263,12 +269,12 @@ class Router:
         try:
             await asyncio.gather(*(answer.read() for answer in answers))
         except Exception as error:  # the decoder died or failed: a clear error, nothing cached
-            self.metrics.record(adapter.endpoint, "503")
+            self._record(adapter.endpoint, "503")
             return json_error(generation_failed(error))
         try:
             body = await adapter.body(exchange, answers)
         except ApiError as error:  # (a Responses answer its conversation could not take)
-            self.metrics.record(adapter.endpoint, str(error.status))
+            self._record(adapter.endpoint, str(error.status))
             return json_error(error)
         first, totals = answers[0], Totals.of(answers, exchange.prompt_tokens)
         # Counted once the response is out (Ray metrics cost ~0.1 ms a request).

@@ -48,8 +48,9 @@ class Planner:
         every window state the prompt could resume from after those chunks, known or
         not, as ``(length, key)`` (none without an index). ``images``: the prompt's
         :class:`actors.state.PromptImage` (their digests name the chunks that hold them);
-        ``scope``: the tenant's, whose names alone the prompt may hit. A conversation the prompt continues, or shares a chunk with, whose store is still
-        running is waited for (the wait is part of the ``plan`` stage)."""
+        ``scope``: the tenant's, whose names alone the prompt may hit. A conversation
+        the prompt continues, or shares a chunk with, whose store is still running is
+        waited for (the wait is part of the ``plan`` stage)."""
         media = media_of(images)
         keys = self.naming.chunks(tokens, media=media, scope=scope)
         named = tuple(keys)

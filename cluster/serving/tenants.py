@@ -32,7 +32,6 @@ import contextvars
 import hashlib
 import hmac
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from storage.keys import KeyScope
-from storage.private import PRIVATE_FILE, make_private_dirs
+from storage.private import own_secret, read_secret
 
 logger = logging.getLogger("ray.serve")
 
@@ -54,7 +53,6 @@ OWNER: contextvars.ContextVar[str] = contextvars.ContextVar("v41_owner", default
 :class:`cluster.serving.records.Records` names stored responses and conversations under it.
 (A context variable: it follows the request into its tasks and worker threads.)"""
 
-SECRET_BYTES = 32
 _SHA256 = "sha256:"
 
 
@@ -129,25 +127,10 @@ def load_secret(path: Path | None) -> bytes:
     (``<v41 cache folder>/cache-secret``, made once: 32 random bytes, 0600, in a 0700
     folder, never replaced)."""
     if path is not None:
-        secret = path.read_bytes().strip()
-        if len(secret) < 16:
-            raise ValueError(f"cache_secret_file {path} holds {len(secret)} bytes; at least 16 are needed")
-        return secret
+        return read_secret(path)
     from storage.slots import cache_home
 
-    own = cache_home() / "cache-secret"
-    make_private_dirs(own.parent)
-    try:
-        fd = os.open(own, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
-    except FileExistsError:
-        return own.read_bytes()
-    try:
-        secret = os.urandom(SECRET_BYTES)
-        os.write(fd, secret)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return secret
+    return own_secret(cache_home() / "cache-secret")
 
 
 class Tenants:
@@ -159,7 +142,8 @@ class Tenants:
     RECHECK_S = 1.0
 
     def __init__(self, path: Path, secret: bytes, shared_prefix_tokens: int = 0, clock=time.monotonic) -> None:
-        self.path, self._secret, self.shared_prefix_tokens, self._clock = Path(path), secret, shared_prefix_tokens, clock
+        self.path, self._secret, self._clock = Path(path), secret, clock
+        self.shared_prefix_tokens = shared_prefix_tokens
         self._seen: tuple[int, int] | None = None
         self._by_key: dict[bytes, Tenant] = {}
         self.tenants: dict[str, Tenant] = {}

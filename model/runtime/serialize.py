@@ -18,7 +18,7 @@ formats and little-endian integers (nothing is unpickled). The 32-byte header
 
 It is not an envelope. Integrity and identity are the store's: every object that
 rests in a storage tier is sealed by :mod:`storage.codec` (magic, format version,
-kind, the model fingerprint, the object's key, an XXH3 of the payload), which turns
+kind, the model fingerprint, the object's key, a keyed MAC of the payload), which turns
 a torn, foreign or misnamed object into a miss before it gets here. This layer
 checks what only it knows: that the bytes are in this layout, at these positions,
 and that the payload holds exactly its contents; any mismatch raises

@@ -145,3 +145,32 @@ def test_one_tenants_flood_fills_its_own_share(app):
     assert others == [200] * 5
     assert flooded.count(200) >= 40 and flooded.count(429) > 0 and set(flooded) == {200, 429}
     assert set(codes) == {"tenant_limit"}
+    # The metrics say it by tenant (configs/grafana-dashboard.json's per-tenant panels).
+    counts = _requests_by_tenant(wanted={("acme", "429"), ("globex", "200")})
+    assert counts[("acme", "429")] >= flooded.count(429) and counts[("globex", "200")] >= 5
+
+
+def _requests_by_tenant(wanted: set[tuple[str, str]]) -> dict[tuple[str, str], float]:
+    """``v41_requests_total`` of the chat endpoint by (tenant, status), scraped from the
+    node's Ray metrics port once every ``wanted`` series is there (Ray pushes every few s)."""
+    import re
+    import time
+    import urllib.request
+
+    import ray
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+    deadline, counts = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        counts = {}
+        for line in text.splitlines():
+            if line.startswith("ray_v41_requests_total{") and 'endpoint="chat"' in line:
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+                key = (labels.get("tenant"), labels.get("status"))
+                counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        if wanted <= counts.keys():
+            break
+        time.sleep(1.0)
+    return counts

@@ -10,6 +10,7 @@ import argparse
 import os
 import socket
 import stat
+import struct
 import time
 from pathlib import Path
 
@@ -138,10 +139,32 @@ def test_a_filled_in_password_opens_a_server_whose_password_needs_quoting(tmp_pa
         assert redis.Redis.from_url(server.url).ping()
 
 
-def _store(url: str, clock, gc_interval_s: float = 600.0) -> TieredStore:
+def _store(url: str, clock, gc_interval_s: float = 600.0, secret: bytes | None = None) -> TieredStore:
     config = StoreConfig("a", redis_url=url, redis_stores_bytes=True, redis_retry_s=0.05, index_heartbeat_s=0.05,
                          retention=RetentionPolicy(ram_capacity_bytes=0, gc_interval_s=gc_interval_s))
-    return TieredStore(config, FP, clock=clock)
+    return TieredStore(config, FP, clock=clock, secret=secret)
+
+
+def test_a_chunk_planted_in_redis_without_the_secret_is_a_miss(redis_server: RedisServer) -> None:  # noqa: F811
+    """Who can write Redis but lacks the cluster's secret can plant a well formed object
+    (the right name, envelope, length, header CRC) under a name every user computes, a
+    common system prompt's chunk; the store reads a miss, counts it corrupt and drops
+    it, and the object it then stores itself is read back."""
+    from storage.codec import Codec
+
+    client = redis.Redis.from_url(redis_server.url)
+    secret = b"the cluster's secret: 32 bytes.."
+    with _store(redis_server.url, time.time, secret=secret) as store:
+        for forger in (Codec(FP), Codec(FP, b"a guessed secret, also 32 bytes.")):
+            payload = b"attacker's cache bytes" * 100
+            name = f"v41:chunk:{KEYS[3].hex}"
+            client.set(name, struct.pack("<d", time.time()) + forger.header(KEYS[3], payload) + payload)
+            before = store.stats().tiers["redis"].corrupt
+            assert store.get(KEYS[3]) is None
+            assert store.stats().tiers["redis"].corrupt == before + 1 and not client.exists(name)
+        store.put(KEYS[3], b"the real chunk")
+        assert store.flush(10)
+        assert store.get(KEYS[3]) == b"the real chunk"
 
 
 def _plant_malformed(client: redis.Redis) -> list[bytes]:

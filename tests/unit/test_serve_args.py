@@ -19,6 +19,12 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def _own_cache_folder(tmp_path, monkeypatch):
+    """`v41 serve` makes the cluster's secret in the user's v41 cache folder: the test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
 def parse(*argv: str) -> dict:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -28,7 +34,11 @@ def parse(*argv: str) -> dict:
 def test_defaults_are_the_shipped_model_and_a_local_cache(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     args = parse()
-    assert args == {"model": str(ROOT / "configs" / "small"), "ssd_dir": slots_template(cache_home().resolve())}
+    secret = cache_home() / "cache-secret"
+    assert args == {"model": str(ROOT / "configs" / "small"), "ssd_dir": slots_template(cache_home().resolve()),
+                    "cache_secret_file": str(secret)}
+    assert len(secret.read_bytes()) == 32 and secret.stat().st_mode & 0o777 == 0o600
+    assert parse()["cache_secret_file"] == str(secret) and len(secret.read_bytes()) == 32  # made once, kept
 
 
 def test_the_step_is_left_to_the_host_unless_a_flag_names_it(monkeypatch):
@@ -44,7 +54,8 @@ def test_a_serve_yaml_gives_its_first_applications_args_and_flags_win(tmp_path, 
     args = parse("--config", str(ROOT / "configs" / "serve-local.yaml"), "--max-batch", "8", "--ram-gb", "1.5",
                  "--chunk-retention-hours", "24", "--encoder-replay-windows", "2")
     assert args == {**yaml_args, "ssd_dir": slots_template(cache_home().resolve()), "max_batch": 8,
-                    "ram_capacity_bytes": 3 << 29, "chunk_retention_hours": 24.0, "encoder_replay_windows": 2}
+                    "ram_capacity_bytes": 3 << 29, "chunk_retention_hours": 24.0, "encoder_replay_windows": 2,
+                    "cache_secret_file": str(cache_home() / "cache-secret")}
     assert AppConfig.from_args(args).retention().ram_capacity_bytes == 3 << 29
     plain = tmp_path / "args.yaml"
     plain.write_text("max_queued_requests: 32\nwindow_ttl_minutes: 5\n")

@@ -1,4 +1,4 @@
-"""Keys and envelopes of the tiered store: hash chains, fingerprints, checksums, verification."""
+"""Keys and envelopes of the tiered store: hash chains, fingerprints, MACs, verification."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import os
 import random
 import zlib
 
+import blake3
 import numpy as np
 import pytest
-import xxhash
 
-from storage.codec import FORMAT_VERSION, HEADER_BYTES, Codec, CorruptObject, checksum
+from storage.codec import FORMAT_VERSION, HEADER_BYTES, Codec, CorruptObject
 from storage.keys import Fingerprint, Kind, MediaSpan, ObjectKey, chunk_keys, window_key, window_keys_after
 
 pytestmark = pytest.mark.unit
@@ -66,13 +66,37 @@ def test_key_hex_round_trips_and_rejects_junk() -> None:
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 240, 4095, 4096, 4097, 40000, 300_001])
-def test_checksum_is_standard_xxh3_64(size: int) -> None:
+def test_the_mac_is_keyed_blake3_of_the_header_fields_and_payload(size: int) -> None:
+    """As storage/codec.py lays it out, computed here with the blake3 package alone: the
+    first 8 bytes (little-endian) of BLAKE3 keyed by the secret's derived key, over the
+    header's bytes 0..63 (magic, version, kind, flags, fingerprint, key digest, length)
+    and the payload."""
     payload = random.Random(size).randbytes(size)
-    streamed = xxhash.xxh3_64()  # the library's streaming code path, fed in uneven pieces
-    for start in range(0, size, 1000):
-        streamed.update(payload[start:start + 1000])
-    assert checksum(payload) == checksum(memoryview(payload)) == streamed.intdigest()
-    assert checksum(b"") == 0x2D06800538D394C2  # the published XXH3-64 of nothing, seed 0
+    secret = b"the cluster's secret, 32 bytes!!"
+    key = chunk_keys(FP, range(16), 16)[0]
+    blob = Codec(FP, secret).header(key, payload)
+    derived = blake3.blake3(secret, derive_key_context="v41 2026-12-06 store object MAC").digest()
+    fields = b"V41K" + FORMAT_VERSION.to_bytes(2, "little") + bytes([int(Kind.CHUNK), 0]) + FP.digest + key.digest
+    fields += size.to_bytes(8, "little")
+    assert blob[:64] == fields
+    assert blob[64:72] == blake3.blake3(fields + payload, key=derived).digest(8)
+    unkeyed = Codec(FP).header(key, payload)  # no secret: keyed by the (public) fingerprint
+    assert unkeyed[64:72] == blake3.blake3(fields + payload, key=blake3.blake3(
+        FP.digest, derive_key_context="v41 2026-12-06 store object MAC").digest()).digest(8) != blob[64:72]
+
+
+def test_an_object_planted_without_the_secret_fails_its_mac() -> None:
+    """Whoever can write Redis or a cache file but lacks the cluster's secret can form a
+    perfect envelope (header CRC, length, name) and still not the MAC."""
+    key = chunk_keys(FP, range(16), 16)[0]
+    payload = os.urandom(5000)
+    store_codec = Codec(FP, b"s" * 32)
+    assert _open(store_codec, key, _envelope(store_codec, key, payload)) == payload
+    for forger in (Codec(FP), Codec(FP, b"t" * 32)):
+        planted = _envelope(forger, key, payload)
+        store_codec.check_header(key, planted[:HEADER_BYTES])  # well formed
+        with pytest.raises(CorruptObject, match="payload MAC"):
+            _open(store_codec, key, planted)
 
 
 def _envelope(codec: Codec, key: ObjectKey, payload: bytes) -> bytes:
@@ -82,7 +106,7 @@ def _envelope(codec: Codec, key: ObjectKey, payload: bytes) -> bytes:
 def _open(codec: Codec, key: ObjectKey, blob: bytes) -> bytes:
     header = codec.check_header(key, blob[:HEADER_BYTES])
     payload = blob[HEADER_BYTES:]
-    codec.check_payload(header, payload)
+    codec.check_payload(key, header, payload)
     return payload
 
 
@@ -120,7 +144,7 @@ def test_torn_swapped_and_foreign_objects_are_caught() -> None:
         _open(codec, k2, blob)  # stored under another key
     with pytest.raises(CorruptObject):
         _open(Codec(Fingerprint(hashlib.blake2b(b"x", digest_size=16).digest())), k1, blob)
-    for version in (1, FORMAT_VERSION + 1):  # the page-sum format, and a later one (crc fixed up)
+    for version in (1, 2, FORMAT_VERSION + 1):  # page sums, XXH3, and a later one (crc fixed up)
         other = bytearray(blob)
         other[4:6] = version.to_bytes(2, "little")
         other[76:80] = zlib.crc32(bytes(other[:76])).to_bytes(4, "little")
@@ -148,7 +172,7 @@ def test_changes_that_cancel_inside_a_page_are_caught() -> None:
     for bad_words in (swapped, shifted):
         bad = bad_words.tobytes()
         assert bad != payload and _page_word_sums(bad) == _page_word_sums(payload)  # format 1 missed these
-        with pytest.raises(CorruptObject, match="payload checksum"):
+        with pytest.raises(CorruptObject, match="payload MAC"):
             _open(codec, key, blob[:HEADER_BYTES] + bad)
 
 

@@ -106,7 +106,7 @@ def test_the_cache_secret_is_made_once_private_and_kept(tmp_path, monkeypatch):
     named.write_bytes(b"x" * 20 + b"\n")
     assert load_secret(named) == b"x" * 20
     named.write_bytes(b"short")
-    with pytest.raises(ValueError, match="at least 16"):
+    with pytest.raises(ValueError, match="needs at least 16"):
         load_secret(named)
 
 
@@ -145,6 +145,7 @@ def _serve_args(*argv: str) -> dict:
 
 def test_a_public_address_needs_a_key_or_the_insecure_flag(tmp_path, monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
     _serve_args("--host", "127.0.0.1")
