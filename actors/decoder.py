@@ -36,7 +36,7 @@ from model.runtime.engine import Engine
 from model.runtime.inputs import DecoderInput
 from model.runtime.sampling import SamplingParams
 from model.runtime.serialize import chunk_to_bytes, load_chunks, load_window, window_to_bytes
-from storage.keys import NO_SCOPE, KeyScope, MediaSpan, ObjectKey
+from storage.keys import NO_SCOPE, CacheRetention, KeyScope, MediaSpan, ObjectKey
 
 from .events import Admission, Kept, Stored, Storing, Token, Tokens
 from .prefill import Moved, PrefillService, StoreLike, read_through
@@ -145,7 +145,9 @@ class DecoderService:
             tokens = handoff.token_ids + tuple(generated[:-1])  # the last token was never fed
             objects = self._objects(handoff, cache, tokens)
             self._pending[request_id] = (objects, len(tokens))
-            if self.resident is not None:
+            # (Not one whose request asked for host RAM only: the store's RAM tier keeps it
+            # for the window's minutes, and nothing here would forget it when they end.)
+            if self.resident is not None and handoff.scope.retention is not CacheRetention.IN_MEMORY:
                 self._to_keep[request_id] = (objects[-1][0], tokens, cache)
 
     def conversation_objects(self, request_id: str) -> list[tuple[ObjectKey, bytes]]:

@@ -128,8 +128,13 @@ class StoreActor:
     def remove(self, key: ObjectKey, timeout: float = 10.0) -> None:
         """Delete ``key`` from every tier, after the writes queued before it (which
         would otherwise land after the delete)."""
+        self.remove_many([key], timeout)
+
+    def remove_many(self, keys: list[ObjectKey], timeout: float = 10.0) -> None:
+        """:meth:`remove` of each key, after one flush."""
         self.store.flush(timeout)
-        self.store.remove(key)
+        for key in keys:
+            self.store.remove(key)
 
     def flush(self, timeout: float = 10.0) -> bool:
         return self.store.flush(timeout)
@@ -219,8 +224,12 @@ class RemoteStore:
     def remove(self, key: ObjectKey) -> bool:
         """Delete ``key`` from the node's tiers and the index, and wait for it; False if
         the store did not answer in time."""
+        return self.remove_many([key])
+
+    def remove_many(self, keys: list[ObjectKey]) -> bool:
+        """:meth:`remove` of each key, in one call."""
         try:
-            ray.get(self.handle.remove.remote(key), timeout=2 * self._timeout_s)
+            ray.get(self.handle.remove_many.remote(keys), timeout=2 * self._timeout_s)
             return True
         except (RayError, GetTimeoutError):
             self.recover()

@@ -35,12 +35,43 @@ _ROOT = bytes(DIGEST_BYTES)
 
 
 class Kind(enum.IntEnum):
-    """What an object holds; the value is the byte written in the envelope."""
+    """What an object holds, and so how long and where it is kept
+    (:meth:`storage.policy.RetentionPolicy.retention_s`); the value is the byte written
+    in the envelope. A conversation's cache is kept as its request asked
+    (:class:`CacheRetention`): the deployment's retention, at most 24 hours, or in host
+    RAM only for the window's minutes, each its own kind of chunk and window state."""
 
     CHUNK = 1  # long-range cache bytes of one chunk of tokens
     WINDOW = 2  # window state of a conversation's tail
     RESPONSE = 3  # a stored Responses API response and its input (JSON; cluster/serving/responses_api.py)
-    CONVERSATION = 4  # a Conversations API conversation: its items and metadata (JSON; cluster/serving/conversations_api.py)
+    CONVERSATION = 4  # a Conversations API conversation: its items and metadata (JSON)
+    CHUNK_24H = 5  # a chunk whose request asked for 24 h at most
+    WINDOW_24H = 6
+    CHUNK_IN_MEMORY = 7  # a chunk whose request asked for host RAM only
+    WINDOW_IN_MEMORY = 8
+
+
+class CacheRetention(str, enum.Enum):
+    """How long a request asks its conversation's cache to be kept (OpenAI's
+    ``prompt_cache_retention``, and this project's 72 hours), shortest first."""
+
+    IN_MEMORY = "in_memory"  # host RAM only, gone when the window's minutes end
+    DAY = "24h"  # at most 24 hours after the last use, wherever kept
+    DEFAULT = "72h"  # the deployment's retention (72 hours unless configured otherwise)
+
+    @property
+    def kinds(self) -> tuple[Kind, Kind]:
+        """The kinds of the chunks and window states kept so."""
+        return _KINDS[self]
+
+    def at_most(self, other: "CacheRetention") -> "CacheRetention":
+        """The shorter of the two."""
+        return min(self, other, key=_ORDER.index)
+
+
+_ORDER = list(CacheRetention)
+_KINDS = {CacheRetention.DEFAULT: (Kind.CHUNK, Kind.WINDOW), CacheRetention.DAY: (Kind.CHUNK_24H, Kind.WINDOW_24H),
+          CacheRetention.IN_MEMORY: (Kind.CHUNK_IN_MEMORY, Kind.WINDOW_IN_MEMORY)}
 
 
 @dataclass(frozen=True)
@@ -96,13 +127,16 @@ class ObjectKey:
 
 @dataclass(frozen=True)
 class KeyScope:
-    """Whose chain a key belongs to: ``salt`` (a tenant's secret, 16 bytes; empty: the
-    deployment's own namespace, as a server with one tenant names everything) is hashed
-    into every link, except the chunks that end within the first ``shared_tokens``
-    tokens (a prefix the deployment shares between tenants on purpose)."""
+    """Whose chain a key belongs to, and how long it is kept: ``salt`` (a tenant's
+    secret, 16 bytes; empty: the deployment's own namespace, as a server with one tenant
+    names everything) is hashed into every link, except the chunks that end within the
+    first ``shared_tokens`` tokens (a prefix the deployment shares between tenants on
+    purpose); ``retention`` gives the keys their kinds (the digests do not depend on it:
+    a chunk kept another way replaces the object of the same digest)."""
 
     salt: bytes = b""
     shared_tokens: int = 0
+    retention: CacheRetention = CacheRetention.DEFAULT
 
     def namespace(self, fingerprint: Fingerprint, end: int | None = None) -> bytes:
         """What a link hashes before its parent: the fingerprint, and the salt unless
@@ -160,13 +194,14 @@ def chunk_keys(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, 
     if chunk_tokens <= 0:
         raise ValueError("chunk_tokens must be positive")
     ids = _as_ids(token_ids)
+    chunk_kind = scope.retention.kinds[0]
     known = list(known[: len(ids) // chunk_tokens])
     keys: list[ObjectKey] = known
     parent = known[-1].digest if known else _ROOT
     for start in range(len(known) * chunk_tokens, len(ids) - chunk_tokens + 1, chunk_tokens):
         parent = _link(b"v41-chunk", scope.namespace(fingerprint, start + chunk_tokens), parent,
                        ids[start:start + chunk_tokens], media, start)
-        keys.append(ObjectKey(Kind.CHUNK, parent))
+        keys.append(ObjectKey(chunk_kind, parent))
     return keys
 
 
@@ -179,7 +214,8 @@ def window_key(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, 
     chunks = chunk_keys(fingerprint, ids, chunk_tokens, media, known, scope)
     parent = chunks[-1].digest if chunks else _ROOT
     start = len(chunks) * chunk_tokens
-    return ObjectKey(Kind.WINDOW, _link(b"v41-window", scope.namespace(fingerprint), parent, ids[start:], media, start))
+    link = _link(b"v41-window", scope.namespace(fingerprint), parent, ids[start:], media, start)
+    return ObjectKey(scope.retention.kinds[1], link)
 
 
 def window_keys_after(fingerprint: Fingerprint, token_ids: Sequence[int] | np.ndarray, chunk_tokens: int,
@@ -195,8 +231,8 @@ def window_keys_after(fingerprint: Fingerprint, token_ids: Sequence[int] | np.nd
     chunks = chunk_keys(fingerprint, ids[:chunked], chunk_tokens, media, known, scope)
     parent = chunks[-1].digest if chunks else _ROOT
     last = min(len(ids), chunked + chunk_tokens - 1)
-    namespace = scope.namespace(fingerprint)
-    return [(n, ObjectKey(Kind.WINDOW, _link(b"v41-window", namespace, parent, ids[chunked:n], media, chunked)))
+    namespace, kind = scope.namespace(fingerprint), scope.retention.kinds[1]
+    return [(n, ObjectKey(kind, _link(b"v41-window", namespace, parent, ids[chunked:n], media, chunked)))
             for n in range(last, chunked - 1, -1)]
 
 

@@ -7,6 +7,10 @@ turns on V4-style storage, where window states go to SSD too, for experiments.
 Stored Responses API responses and Conversations API conversations (the text of a
 conversation, not its cache) stay in RAM for the window's minutes and on SSD for
 ``response_retention_hours`` after their last use (a read from the store is a use).
+
+A request may ask for less (``prompt_cache_retention``, :class:`storage.keys.CacheRetention`):
+its chunks and window states are then of their own kinds, kept at most 24 hours
+anywhere, or in host RAM only for the window's minutes (never on SSD nor in Redis).
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ import os
 from dataclasses import dataclass, field
 
 from storage.keys import Kind
+
+_DAY_S = 24 * 3600.0
+_CHUNKS = (Kind.CHUNK, Kind.CHUNK_24H)  # the chunks that may leave host RAM
+_WINDOWS = (Kind.WINDOW, Kind.WINDOW_24H)
+_IN_MEMORY = (Kind.CHUNK_IN_MEMORY, Kind.WINDOW_IN_MEMORY)
 
 
 class TierName(str, enum.Enum):
@@ -70,15 +79,24 @@ class RetentionPolicy:
 
     def retention_s(self, kind: Kind, tier: TierName) -> float | None:
         """Seconds an object of ``kind`` stays in ``tier`` after its last use; None: never stored there."""
-        if kind is Kind.CHUNK or tier is TierName.RAM:
+        if tier is TierName.RAM:
             return self.ram_retention_s(kind)
         if kind in (Kind.RESPONSE, Kind.CONVERSATION):
             return self.response_retention_hours * 3600.0
-        return self.chunk_retention_hours * 3600.0 if self.persist_window_states else None
+        if kind in _IN_MEMORY or (kind in _WINDOWS and not self.persist_window_states):
+            return None
+        return self._asked(kind, self.chunk_retention_hours * 3600.0)
 
     def ram_retention_s(self, kind: Kind) -> float:
         """Seconds an object of ``kind`` stays in host RAM after its last use (every kind lives there)."""
-        return self.chunk_retention_hours * 3600.0 if kind is Kind.CHUNK else self.window_ttl_minutes * 60.0
+        if kind in _CHUNKS:
+            return self._asked(kind, self.chunk_retention_hours * 3600.0)
+        return self.window_ttl_minutes * 60.0
+
+    @staticmethod
+    def _asked(kind: Kind, seconds: float) -> float:
+        """``seconds``, at most a day for the kinds whose request asked for 24 h."""
+        return min(seconds, _DAY_S) if kind in (Kind.CHUNK_24H, Kind.WINDOW_24H) else seconds
 
     @property
     def longest_retention_s(self) -> float:

@@ -1,8 +1,9 @@
 """Local SSD tier: one file per object, written atomically, kept 72 h after last use.
 
 Layout: ``ROOT/objects/ab/cd/<64 hex digits>.<kind>`` where ``abcd`` are the first hex
-digits of the key (a two-level fan-out keeps directories small). Names come only from
-key digests, never from user input.
+digits of the key (a two-level fan-out keeps directories small) and the kind names the
+retention too (``.chunk``, ``.chunk-24h``: a restart's scan knows each file's time from
+its name). Names come only from key digests, never from user input.
 
 Files are created 0600 and folders 0700 (the modes given to ``open`` and ``mkdir``, which
 the umask can only narrow): a cache holds users' conversations.
@@ -42,7 +43,8 @@ from storage.sized import SizedPayload
 WriteFile = Callable[[int, Sequence[bytes]], None]
 
 _SUFFIX = {Kind.CHUNK: ".chunk", Kind.WINDOW: ".window", Kind.RESPONSE: ".response",
-           Kind.CONVERSATION: ".conversation"}
+           Kind.CONVERSATION: ".conversation", Kind.CHUNK_24H: ".chunk-24h", Kind.WINDOW_24H: ".window-24h",
+           Kind.CHUNK_IN_MEMORY: ".chunk-ram", Kind.WINDOW_IN_MEMORY: ".window-ram"}  # (the last two: never here)
 _KIND_OF_SUFFIX = {suffix: kind for kind, suffix in _SUFFIX.items()}
 _TEMP_SUFFIX = ".tmp"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)

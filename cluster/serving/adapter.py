@@ -17,19 +17,30 @@ from typing import Any
 
 from cluster.serving.answers import Answer
 from cluster.serving.request import GenerationRequest
+from storage.keys import ObjectKey
 
 
 @dataclass(frozen=True)
 class Exchange:
     """One request being answered: the internal ``request``, what its API parsed beside
     it (``parsed``: the Responses request, None for chat and completions), its id, its
-    prompt's length in tokens, and when it came (``time.perf_counter``)."""
+    prompt's length in tokens, and when it came (``time.perf_counter``).
+    ``prompt_cache``: the names of its prompt's chunks, and ``shared_cache`` those of
+    them in a prefix shared between tenants (never a tenant's to delete)."""
 
     request: GenerationRequest
     parsed: Any
     rid: str
     prompt_tokens: int
     start: float
+    prompt_cache: tuple[ObjectKey, ...] = ()
+    shared_cache: frozenset[ObjectKey] = frozenset()
+
+    def cache_of(self, answer: Answer) -> list[ObjectKey]:
+        """The names of what the store keeps of the conversation after ``answer``: the
+        prompt's chunks and what the answer stored, but the shared prefix's."""
+        names = [*self.prompt_cache, *answer.stored]
+        return [key for key in dict.fromkeys(names) if key not in self.shared_cache]
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from actors.events import Admission, Token
 from cluster.serving.chat_answer import ChatAnswer, CompletionLogprobs
 from cluster.serving.request import GenerationRequest
+from storage.keys import ObjectKey
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Answer:
         self.finish = "stop"  # the decoder's finish reason
         self.ttft: float | None = None
         self.timeline: dict[str, float] = {}  # the trip's marks: the replicas', first_token, stored
+        self.stored: tuple[ObjectKey, ...] = ()  # the names of what the decoder stores of it (its last token says)
 
     async def steps(self) -> AsyncIterator[Step]:
         """Each token's :class:`Step`, the first token's included."""
@@ -65,6 +67,7 @@ class Answer:
                 self.finish = token.finish_reason
                 if token.storing is not None:  # a turn that continues it waits for its store
                     self.timeline["stored"] = time.time()
+                    self.stored = token.storing.conversation.keys
             step = self._push(token, last)
             if last:
                 self.ended(self, token)

@@ -15,6 +15,7 @@ conversations' routes go to their adapters; ``/health`` to :mod:`cluster.serving
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime.
 
 import asyncio
+import dataclasses
 import logging
 import time
 from functools import partial
@@ -87,7 +88,7 @@ class Router:
         # Stored responses and conversations (this node's store actor, reached at the first
         # use; the responses this router wrote lately, up to 64 MiB of JSON, in memory).
         self.records = Records(partial(node_store, config.store_settings(), model.naming.fingerprint.digest),
-                               peer_store, node_id, index, link)
+                               peer_store, node_id, index, link, forgotten=self.planner.forget)
         self.conversations = Conversations(self.records)
         parsing = Model(config.model_name, config.max_answer_tokens, model_config.text.vocab_size,
                         self.prompts.image_reader, config.max_images_per_request)
@@ -191,10 +192,15 @@ class Router:
         history = await adapter.history(data)
         request, parsed, tokens = await asyncio.to_thread(self._prepare, adapter, data, history)
         request = self.prompts.fit(request, tokens)
-        exchange = Exchange(request, parsed, adapter.new_id(), len(tokens), start)
+        retention = tenant.retention(request.cache_retention)
+        request = dataclasses.replace(request, cache_retention=retention)
         images = self.prompts.images(request, tokens)
         marks["rendered"] = time.time()
-        plan, windows = await self.planner.plan(tokens, images, tenant.scope)
+        scope = tenant.scope_for(retention)
+        plan, windows = await self.planner.plan(tokens, images, scope)
+        shared = (plan.chunk_keys or ())[: scope.shared_tokens // self.config.chunk_tokens] if scope.salt else ()
+        exchange = Exchange(request, parsed, adapter.new_id(), len(tokens), start, plan.chunk_keys or (),
+                            frozenset(shared))
         marks["planned"] = time.time()
         if plan.windows is not None:  # the index decided what is stored (else the prefill's store does)
             marks["looked_up"] = marks["planned"]
@@ -241,7 +247,8 @@ class Router:
                           self.prompts.new_answer(exchange.request) if exchange.request.prompt is None else None,
                           self.prompts.tokenizer.token_bytes, self._finish_answer, start) for head, stream in started]
         headers = {"x-v41-queue-ms": f"{queued_ms:.3f}", "x-v41-moved-bytes": str(first.admission.moved_bytes),
-                   "x-v41-prefilled-by": first.admission.prefilled_by}
+                   "x-v41-prefilled-by": first.admission.prefilled_by,
+                   "v41-cache-retention": exchange.request.cache_retention.value}
         if exchange.request.stream:
             # Its Server-Timing covers the trip to the first token (the headers go out with it).
             to_first = {**marks, **first.admission.timeline, "first_token": time.time()}

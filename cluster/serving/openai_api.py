@@ -17,7 +17,7 @@ from pydantic import Field, StrictBool
 
 from cluster.serving import request_parts as parts
 from cluster.serving.request import GenerationRequest
-from cluster.serving.validation import ApiError, Integer, Number, Schema, ToolName, validated
+from cluster.serving.validation import ApiError, Integer, Number, Retention, Schema, ToolName, validated
 from model.chat import Message
 from model.tools import ToolCall
 
@@ -114,6 +114,7 @@ class _Request(Schema):
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
     user: str | None = None
+    prompt_cache_retention: Retention | None = None
 
 
 class ChatRequest(_Request):
@@ -171,7 +172,8 @@ def parse_chat(data: dict, model_name: str, ceiling: int | None, vocab_size: int
                              tool_name=tools.name, tool_checks=tools.checks,
                              parallel_tool_calls=request.parallel_tool_calls is not False,
                              response_format=_response_format(request), n=parts.answers(request.n),
-                             images=tuple(images), fills_context=_max_tokens(request) is None)
+                             images=tuple(images), fills_context=_max_tokens(request) is None,
+                             cache_retention=parts.retention(request.prompt_cache_retention))
 
 
 def _message(i: int, message: _Message, read_image, images: list, max_images: int) -> Message:
@@ -231,4 +233,5 @@ def parse_completion(data: dict, model_name: str, ceiling: int | None, vocab_siz
     return GenerationRequest(model_name, _sampling(request, ceiling, vocab_size, request.logprobs,
                                                    parts.COMPLETIONS_MAX_TOKENS),
                              request.stream, bool(options is not None and options.include_usage), prompt=prompt,
-                             n=parts.answers(request.n), prompt_param="prompt")
+                             n=parts.answers(request.n), prompt_param="prompt",
+                             cache_retention=parts.retention(request.prompt_cache_retention))

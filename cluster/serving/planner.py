@@ -94,6 +94,12 @@ class Planner:
                 return (key, kept) if len(tokens) - length <= self.resume_tokens else None
         return None
 
+    def forget(self, keys: list[ObjectKey]) -> None:
+        """Deleted conversations: no turn resumes them from a decoder replica's memory
+        (where they stay, unreachable, until evicted)."""
+        for key in keys:
+            self.resident.pop(key, None)
+
     async def wait_for_stores(self, tokens: list[int], named: tuple[ObjectKey, ...], media: tuple,
                               scope: KeyScope = NO_SCOPE) -> None:
         """Wait (up to the store's timeout) for the stores still running of the

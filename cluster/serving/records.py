@@ -9,6 +9,9 @@ the index names).
 - A response never changes once written. The router answers a next turn naming one it
   wrote lately from memory (:class:`RecentRecords`) and stores it
   while the client reads the answer; a delete waits for a pending store.
+- A record names the cached objects of its conversation (``"cache"``: the chunks and
+  window states its prompt and answer left in the store, but those of a prefix shared
+  between tenants): deleting the record deletes them too, on every node that holds one.
 - A conversation changes (items are added and deleted, its metadata replaced), so it is
   never read from memory. Every change is a new version: read the newest copy, change
   it, write it to this node's store, remove the older copies other nodes hold. Changes
@@ -30,12 +33,29 @@ from cluster.serving import conversations_api
 from cluster.serving.response_items import encoded, read_record
 from cluster.serving.tenants import OWNER
 from cluster.serving.validation import ApiError
-from storage.keys import ObjectKey, conversation_key, response_key
+from storage.keys import Kind, ObjectKey, conversation_key, response_key
 
 logger = logging.getLogger(__name__)
 
 LOCK_S = 30.0  # a conversation's Redis lock expires after this (a router that died holding it)
 LOCK_WAIT_S = 10.0  # a change waits this long for another router's, then is a 409
+
+
+def with_cache(record: dict, keys: Sequence[ObjectKey]) -> dict:
+    """``record`` naming ``keys`` too, among the cached objects of its conversation."""
+    named = [*record.get("cache", ()), *([int(key.kind), key.hex] for key in keys)]
+    return {**record, "cache": [list(pair) for pair in dict.fromkeys(tuple(pair) for pair in named)]}
+
+
+def cache_names(record: dict) -> list[ObjectKey]:
+    """The cached objects a record names (what is not a name is skipped: a record is data)."""
+    names = []
+    for pair in record.get("cache", ()) if isinstance(record.get("cache"), list) else ():
+        try:
+            names.append(ObjectKey.from_hex(Kind(pair[0]), pair[1]))
+        except (TypeError, ValueError, IndexError, KeyError):
+            continue
+    return names
 
 
 def _mine(record_id: str) -> tuple[str, str]:
@@ -84,8 +104,9 @@ class Records:
     ``link``: the Redis location index and its link (None without Redis)."""
 
     def __init__(self, node_store: Callable, peer_store: Callable, here: Callable[[], str], index=None, link=None,
-                 memory_bytes: int = 64 << 20) -> None:
-        self._make_store, self._peer_store, self._here = node_store, peer_store, here
+                 memory_bytes: int = 64 << 20, forgotten: Callable[[list[ObjectKey]], None] | None = None) -> None:
+        """``forgotten(keys)``: told of the cached objects a deleted record took with it."""
+        self._make_store, self._peer_store, self._here, self._forgotten = node_store, peer_store, here, forgotten
         self.index, self.link = index, link
         self._store = None
         # Responses this router wrote lately: a next turn naming one reads it here.
@@ -107,12 +128,17 @@ class Records:
 
     def _peers(self, key: ObjectKey) -> list:
         """The store actors of the other nodes the cluster index says hold ``key``."""
+        return self._holders([key])
+
+    def _holders(self, keys: Sequence[ObjectKey]) -> list:
+        """The store actors of the other nodes the cluster index says hold any of ``keys``."""
         import ray
 
         from storage.index import SHARED_NODE
 
-        located = self.index.locate([key], time.time()) if self.index is not None else None
-        nodes = {location.node_id for location in (located or [()])[0]} - {self._here(), SHARED_NODE}
+        located = self.index.locate(list(keys), time.time()) if self.index is not None else None
+        nodes = {location.node_id for locations in (located or []) for location in locations} - {
+            self._here(), SHARED_NODE}
         try:
             return [peer for peer in map(self._peer_store, sorted(nodes)) if peer is not None]
         except ray.exceptions.RayError:  # Ray in trouble: the stores it cannot reach hold nothing
@@ -158,13 +184,25 @@ class Records:
 
         self._keeping[mine] = asyncio.ensure_future(put())
 
-    async def forget_response(self, rid: str) -> None:
-        """Delete a stored response from memory, this node's store and every other that holds it."""
+    async def forget_response(self, rid: str, record: dict) -> None:
+        """Delete a stored response (``record``, as read) from memory, this node's store
+        and every other that holds it, and the cached objects it names."""
         key, mine = response_key(rid, OWNER.get()), _mine(rid)
         self.kept.pop(mine)
         if mine in self._keeping:  # (its store must not land after the delete)
             await self._keeping[mine]
         await self._remove_from([await self.node_store(), *await asyncio.to_thread(self._peers, key)], key)
+        await self.forget_cache(cache_names(record))
+
+    async def forget_cache(self, keys: list[ObjectKey]) -> None:
+        """Delete cached objects from this node's store and every other the index says
+        holds one of them (a conversation's chunks and window states: "forget me")."""
+        if not keys:
+            return
+        stores = [await self.node_store(), *await asyncio.to_thread(self._holders, keys)]
+        await asyncio.gather(*(asyncio.to_thread(store.remove_many, keys) for store in stores if store is not None))
+        if self._forgotten is not None:
+            self._forgotten(keys)
 
     # ------------------------------------------------------------------ conversations
     async def _copies(self, cid: str) -> tuple[dict | None, list]:
@@ -206,11 +244,14 @@ class Records:
         await self._remove_from(list(stale), key)
 
     async def forget_conversation(self, cid: str) -> bool:
-        """Delete a conversation everywhere, in its turn; False if there is none."""
+        """Delete a conversation everywhere, in its turn, and the cached objects it names;
+        False if there is none."""
         async with self._turn(cid):
             record, peers = await self._copies(cid)
             if record is not None:
                 await self._remove_from([await self.node_store(), *peers], conversation_key(cid, OWNER.get()))
+        if record is not None:
+            await self.forget_cache(cache_names(record))
         return record is not None
 
     @contextlib.asynccontextmanager

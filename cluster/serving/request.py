@@ -18,6 +18,7 @@ from cluster.serving.validation import ApiError
 from model.chat import EFFORT_LEVELS, Message
 from model.runtime.grammar import SchemaCheck
 from model.runtime.sampling import SamplingParams
+from storage.keys import CacheRetention
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class GenerationRequest:
     # What the request's API calls its prompt and its JSON answer's format (errors name them).
     prompt_param: str = "messages"
     format_param: str = "response_format"
+    # How long its conversation's cache may be kept (``prompt_cache_retention``; None: not
+    # asked). The router bounds it by the tenant's allowance: then never None.
+    cache_retention: CacheRetention | None = None
 
     def samples(self) -> list[SamplingParams]:
         """Each answer's sampling: with a seed, answer i takes seed + i."""

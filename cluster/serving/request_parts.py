@@ -20,6 +20,7 @@ from cluster.serving.validation import ApiError
 from model.chat import ImagePart
 from model.runtime.grammar import SchemaCheck
 from model.runtime.sampling import SamplingParams, SamplingParamsError
+from storage.keys import CacheRetention
 
 # Bounds on what a request may ask the server to compile or scan (a 400 names the
 # parameter): OpenAI's own where it documents one.
@@ -199,3 +200,8 @@ def check_model(model: str | None, model_name: str) -> None:
         raise ApiError(400, "model is required", "model")
     if model != model_name:
         raise ApiError(404, f"The model `{model}` does not exist", "model", code="model_not_found")
+
+
+def retention(asked: str | None) -> CacheRetention | None:
+    """``prompt_cache_retention`` as asked (validated by the schema), None if not."""
+    return None if asked is None else CacheRetention(asked)

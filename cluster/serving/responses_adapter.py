@@ -11,7 +11,7 @@ the stored responses' routes (``GET``/``DELETE /v1/responses/{id}``, its input i
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from cluster.serving import response_items
 from cluster.serving.adapter import Adapter, Exchange, Totals
@@ -19,11 +19,12 @@ from cluster.serving.answers import Answer
 from cluster.serving.conversations_adapter import Conversations
 from cluster.serving.conversations_api import with_items
 from cluster.serving.dispatcher import generation_failed
-from cluster.serving.records import Records
+from cluster.serving.records import Records, with_cache
 from cluster.serving.request import GenerationRequest
 from cluster.serving.responses_api import ParsedResponses, conversation_named, parse_responses, record as kept_record
 from cluster.serving.responses_render import response_id, sse, usage
 from cluster.serving.validation import ApiError
+from storage.keys import ObjectKey
 
 
 class ResponsesAdapter(Adapter):
@@ -59,12 +60,12 @@ class ResponsesAdapter(Adapter):
 
     async def body(self, exchange: Exchange, answers: list[Answer]) -> dict:
         answer, totals = answers[0], Totals.of(answers, exchange.prompt_tokens)
-        builder = exchange.parsed.builder(exchange.rid, self.model.name)
+        builder = exchange.parsed.builder(exchange.rid, self.model.name, exchange.request.cache_retention)
         builder.push(answer.deltas)
         response = builder.finish(answer.finish_reason, usage(totals.prompt, totals.generated, totals.cached,
                                                               answer.chat.reasoning_tokens,
                                                               exchange.request.params.max_tokens))[-1]["response"]
-        await self.answered(exchange.parsed, response)
+        await self.answered(exchange.parsed, response, exchange.cache_of(answer))
         return response
 
     def stream(self, exchange: Exchange, answers: list[Answer]) -> AsyncIterator[bytes]:
@@ -74,7 +75,7 @@ class ResponsesAdapter(Adapter):
         """The response's events as the answer's tokens come (``response.failed`` if the
         decoder fails under it)."""
         parsed: ParsedResponses = exchange.parsed
-        builder = parsed.builder(exchange.rid, self.model.name)
+        builder = parsed.builder(exchange.rid, self.model.name, exchange.request.cache_retention)
         finish = "stop"
         for item in builder.start():
             yield sse(item)
@@ -96,21 +97,25 @@ class ResponsesAdapter(Adapter):
         events = builder.finish(finish, usage(totals.prompt, totals.generated, totals.cached,
                                               answer.chat.reasoning_tokens, exchange.request.params.max_tokens))
         try:
-            await self.answered(parsed, events[-1]["response"])
+            await self.answered(parsed, events[-1]["response"], exchange.cache_of(answer))
         except ApiError as error:  # its conversation could not take it: the response failed
             events[-1] = builder.failed(error)
         for item in events:
             yield sse(item)
 
-    async def answered(self, parsed: ParsedResponses, response: dict, joins: bool = True) -> None:
+    async def answered(self, parsed: ParsedResponses, response: dict, cache: Sequence[ObjectKey] = (),
+                       joins: bool = True) -> None:
         """Keep a finished response (when asked to), and add its input and output to the
         conversation it names (unless it failed: ``joins``), before the client has the
-        whole answer; a conversation that cannot take it is an :class:`ApiError`."""
+        whole answer; a conversation that cannot take it is an :class:`ApiError`. Both
+        records name ``cache``, the store's objects of the conversation so far (deleting
+        the record deletes them)."""
         if parsed.store:
-            await self.records.keep_response(response["id"], kept_record(parsed, response))
+            await self.records.keep_response(response["id"], with_cache(kept_record(parsed, response), cache))
         if joins and parsed.conversation is not None:
             joined = [*parsed.new_items, *response["output"]]
-            await self.conversations.change(parsed.conversation, lambda kept: with_items(kept, joined, "input"))
+            await self.conversations.change(parsed.conversation,
+                                            lambda kept: with_cache(with_items(kept, joined, "input"), cache))
 
     async def stored(self, rid: str, param: str | None = None) -> dict:
         """A stored response's record; a 404 (or, for ``param``, a 400 naming it) if no node has it."""
@@ -126,6 +131,5 @@ class ResponsesAdapter(Adapter):
         return response_items.input_items_page(await self.stored(rid), after, limit, order)
 
     async def delete(self, rid: str) -> dict:
-        await self.stored(rid)
-        await self.records.forget_response(rid)
+        await self.records.forget_response(rid, await self.stored(rid))
         return {"id": rid, "object": "response", "deleted": True}

@@ -42,9 +42,10 @@ from cluster.serving.response_items import (
     stored_items,
 )
 from cluster.serving.responses_render import ResponseBuilder
-from cluster.serving.validation import ApiError, Integer, Number, Schema, ToolName, validated
+from cluster.serving.validation import ApiError, Integer, Number, Retention, Schema, ToolName, validated
 from model.chat import Message
 from model.tools import ToolCall
+from storage.keys import CacheRetention
 
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value: the answer text's logprobs
 
@@ -114,6 +115,7 @@ class ResponsesRequest(Schema):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Retention | None = None
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,11 @@ class ParsedResponses:
     new_items: tuple[dict, ...] = ()  # this request's input, as a conversation keeps it
 
 
-    def builder(self, rid: str, model: str) -> ResponseBuilder:
-        return ResponseBuilder(rid, model, self.echo, self.logprobs, self.generation.thinking)
+    def builder(self, rid: str, model: str, retention: CacheRetention | None = None) -> ResponseBuilder:
+        """The response's builder; ``retention``: how long its cache is kept (echoed as
+        ``prompt_cache_retention``, as the tenant's allowance bounded what was asked)."""
+        echo = {**self.echo, "prompt_cache_retention": None if retention is None else retention.value}
+        return ResponseBuilder(rid, model, echo, self.logprobs, self.generation.thinking)
 
 
 def parse_responses(data: dict, model_name: str, ceiling: int | None, vocab_size: int | None = None,
@@ -205,7 +210,8 @@ def _generation(request: ResponsesRequest, messages: tuple[Message, ...], model_
                              effort=effort, tools=tools.functions, tool_choice=tools.choice, tool_name=tools.name,
                              tool_checks=tools.checks, parallel_tool_calls=request.parallel_tool_calls is not False,
                              response_format=response_format, images=images, prompt_param="input",
-                             format_param="text.format", fills_context=request.max_output_tokens is None)
+                             format_param="text.format", fills_context=request.max_output_tokens is None,
+                             cache_retention=parts.retention(request.prompt_cache_retention))
 
 
 def _response_format(request: ResponsesRequest) -> dict | None:

@@ -7,6 +7,7 @@ An API-keys file (``api_keys_file``; ``v41 serve --api-keys FILE``), YAML or JSO
         keys: ["sk-acme-1", "sha256:3f7a..."]   # a key as is, or the SHA-256 of it in hex
         queue_share: 2          # its weight in the router's places (default 1)
         max_concurrent: 64      # its requests in flight at once, at most (default 64)
+        max_retention: 24h      # its cache kept at most so long: in_memory, 24h or 72h (default)
         share_prefixes: true    # its prompts' first shared_prefix_tokens hit every sharing tenant's
         debug_headers: false    # the x-v41-* and Server-Timing headers in its answers
 
@@ -29,6 +30,7 @@ no salt, the debug headers on.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -39,7 +41,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from storage.keys import KeyScope
+from cluster.serving.validation import Retention
+
+from storage.keys import CacheRetention, KeyScope
 from storage.private import own_secret, read_secret
 
 logger = logging.getLogger("ray.serve")
@@ -66,6 +70,7 @@ class TenantPolicy(BaseModel):
     max_concurrent: Annotated[int, Field(strict=True, ge=1)] = 64
     share_prefixes: bool = False
     debug_headers: bool = False
+    max_retention: Retention = "72h"
 
     @field_validator("keys")
     @classmethod
@@ -100,6 +105,15 @@ class Tenant:
     @property
     def debug_headers(self) -> bool:
         return self.policy.debug_headers
+
+    def retention(self, asked: CacheRetention | None) -> CacheRetention:
+        """How long a request's cache is kept: as it asked (``prompt_cache_retention``;
+        None: the deployment's 72 h), at most the tenant's ``max_retention``."""
+        return (asked or CacheRetention.DEFAULT).at_most(CacheRetention(self.policy.max_retention))
+
+    def scope_for(self, retention: CacheRetention) -> KeyScope:
+        """The names of a request's cache that is kept so."""
+        return dataclasses.replace(self.scope, retention=retention)
 
 
 def parse_tenants(text: str, source: str) -> TenantsFile:

@@ -9,7 +9,7 @@ ignored. No I/O here.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -79,6 +79,8 @@ def _number(value: Any) -> Any:
 
 Number = Annotated[float, BeforeValidator(_number)]
 Integer = Annotated[int, Field(strict=True)]
+# ``prompt_cache_retention``: OpenAI's two values and this project's 72 hours (storage.keys.CacheRetention).
+Retention = Literal["in_memory", "24h", "72h"]
 
 
 class Schema(BaseModel):

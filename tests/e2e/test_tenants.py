@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import httpx
 import openai
@@ -21,7 +22,9 @@ tenants:
   globex: {keys: [sk-globex]}
   initech: {keys: [sk-initech], share_prefixes: true}
   ops: {keys: [sk-ops], debug_headers: true}
+  hooli: {keys: [sk-hooli], max_retention: in_memory}
 """
+WINDOW_TTL_S = 6.0  # the window's minutes, short: an in_memory conversation is gone after them
 SYSTEM = "You review Python code for a bank. Be exact and brief.\n" * 6  # far beyond 64 tokens
 
 
@@ -31,17 +34,17 @@ def app(serve_runtime, tmp_path_factory):
     (folder / "keys.yaml").write_text(KEYS)
     (folder / "secret").write_bytes(os.urandom(32))
     with serve_runtime.app(folder, api_keys_file=str(folder / "keys.yaml"), cache_secret_file=str(folder / "secret"),
-                           shared_prefix_tokens=SHARED_TOKENS) as (url, _redis):
-        yield url
+                           shared_prefix_tokens=SHARED_TOKENS, window_ttl_minutes=WINDOW_TTL_S / 60) as (url, _redis):
+        yield url, folder
 
 
-def _client(app: str, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{app}/v1", api_key=key, max_retries=0, timeout=120)
+def _client(app: tuple, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app[0]}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def _chat(client: openai.OpenAI, messages: list[dict]):
+def _chat(client: openai.OpenAI, messages: list[dict], **extra):
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8,
-                                                           temperature=0)
+                                                           temperature=0, **extra)
     return raw.parse(), raw.headers
 
 
@@ -125,7 +128,7 @@ def test_one_tenants_flood_fills_its_own_share(app):
 
     async def flood() -> tuple[list[int], list[int], list[str]]:
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
-        async with httpx.AsyncClient(base_url=f"{app}/v1", timeout=300, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=f"{app[0]}/v1", timeout=300, limits=limits) as http:
             refused = asyncio.Event()
 
             async def send(key: str) -> tuple[int, str]:
@@ -146,13 +149,15 @@ def test_one_tenants_flood_fills_its_own_share(app):
     assert flooded.count(200) >= 40 and flooded.count(429) > 0 and set(flooded) == {200, 429}
     assert set(codes) == {"tenant_limit"}
     # The metrics say it by tenant (configs/grafana-dashboard.json's per-tenant panels).
-    counts = _requests_by_tenant(wanted={("acme", "429"), ("globex", "200")})
-    assert counts[("acme", "429")] >= flooded.count(429) and counts[("globex", "200")] >= 5
+    wanted = {("acme", "429"): flooded.count(429), ("globex", "200"): 5}
+    counts = _requests_by_tenant(wanted)
+    assert all(counts.get(series, 0) >= least for series, least in wanted.items()), counts
 
 
-def _requests_by_tenant(wanted: set[tuple[str, str]]) -> dict[tuple[str, str], float]:
+def _requests_by_tenant(wanted: dict[tuple[str, str], int]) -> dict[tuple[str, str], float]:
     """``v41_requests_total`` of the chat endpoint by (tenant, status), scraped from the
-    node's Ray metrics port once every ``wanted`` series is there (Ray pushes every few s)."""
+    node's Ray metrics port until each ``wanted`` series counts at least so many (Ray
+    pushes a worker's metrics every few seconds)."""
     import re
     import time
     import urllib.request
@@ -170,7 +175,65 @@ def _requests_by_tenant(wanted: set[tuple[str, str]]) -> dict[tuple[str, str], f
                 labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
                 key = (labels.get("tenant"), labels.get("status"))
                 counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-        if wanted <= counts.keys():
+        if all(counts.get(series, 0) >= least for series, least in wanted.items()):
             break
         time.sleep(1.0)
     return counts
+
+
+def _files(folder) -> set:
+    return {path for path in folder.rglob("*") if path.is_file()}
+
+
+def test_a_conversation_asked_in_memory_stays_in_ram_for_the_windows_minutes(app):
+    """``prompt_cache_retention: in_memory``: nothing of the conversation reaches the SSD
+    (the app keeps no bytes in Redis); its next turn is a hit while the window's
+    minutes last, and cold after them. The answer says what was kept, and a tenant
+    allowed only RAM gets RAM whatever it asks."""
+    acme = _client(app, "sk-acme")
+    first = [{"role": "user", "content": "class Ledger:\n    entries = []\n" * 6}]
+    before = _files(app[1])
+    one, headers = _chat(acme, first, prompt_cache_retention="in_memory")
+    assert headers["v41-cache-retention"] == "in_memory"
+    second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                      {"role": "user", "content": "and the totals?"}]
+    two, _ = _chat(acme, second, prompt_cache_retention="in_memory")
+    assert two.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens + one.usage.completion_tokens - 1
+    time.sleep(WINDOW_TTL_S + 1)
+    assert _files(app[1]) == before  # not a byte of it on the SSD
+    three, _ = _chat(acme, second, prompt_cache_retention="in_memory")
+    assert three.usage.prompt_tokens_details.cached_tokens == 0
+    _, headers = _chat(_client(app, "sk-hooli"), first, prompt_cache_retention="72h")
+    assert headers["v41-cache-retention"] == "in_memory"
+    _, headers = _chat(acme, first)
+    assert headers["v41-cache-retention"] == "72h"
+    answer = acme.responses.create(model=MODEL, input="def f():\n" * 4, max_output_tokens=4,
+                                   prompt_cache_retention="24h")
+    assert answer.prompt_cache_retention == "24h"
+    with pytest.raises(openai.BadRequestError) as error:
+        _chat(acme, first, prompt_cache_retention="48h")
+    assert error.value.body["param"] == "prompt_cache_retention"
+
+
+def test_deleting_a_response_or_conversation_forgets_its_cache(app):
+    """"Forget me": a deleted response's record takes the cached chunks of its prompt
+    and answer with it (on every node that holds them), so the same prompt is cold
+    again; a deleted conversation's likewise. The shared prefix stays."""
+    acme = _client(app, "sk-acme")
+    prompt = "def settle(account):\n    return account.balance * 7\n" * 6
+
+    def cached(text: str) -> int:
+        answer = acme.responses.create(model=MODEL, input=text, max_output_tokens=4, store=False)
+        return answer.usage.input_tokens_details.cached_tokens
+
+    stored = acme.responses.create(model=MODEL, input=prompt, max_output_tokens=4, store=True)
+    assert stored.usage.input_tokens_details.cached_tokens == 0
+    assert cached(prompt) > 0  # its chunks are stored
+    acme.responses.delete(stored.id)
+    assert cached(prompt) == SHARED_TOKENS  # acme shares prefixes: the chunks of the first 64 tokens stay
+    conversation = acme.conversations.create()
+    other = "class Vault:\n    locked = True\n" * 8
+    acme.responses.create(model=MODEL, input=other, max_output_tokens=4, conversation=conversation.id)
+    assert cached(other) > 0
+    acme.conversations.delete(conversation.id)
+    assert cached(other) == SHARED_TOKENS

@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from storage.index import RedisIndex
-from storage.keys import Fingerprint, chunk_keys, conversation_key, response_key, window_key
+from storage.keys import (CacheRetention, Fingerprint, KeyScope, Kind, chunk_keys, conversation_key,
+                          response_key, window_key)
 from storage.policy import RetentionPolicy
 from storage.redis_link import RedisLink
 from storage.redis_server import RedisServer
@@ -188,3 +189,65 @@ def test_retention_numbers_are_config(tmp_path: Path, redis_server: RedisServer)
         store.flush(10)
         clock.now += 1.5 * HOUR
         assert store.get(KEYS[0]) is None
+
+
+@pytest.mark.parametrize("tiers", ["ram", "ssd", "all"])
+def test_a_chunk_asked_for_24_hours_is_gone_after_24_and_kept_at_23(tmp_path: Path, redis_server: RedisServer,
+                                                                    tiers: str) -> None:
+    """``prompt_cache_retention: 24h``: its chunks are of their own kind, kept a day
+    after their last use in every tier, across a restart (the file's name says its
+    retention), while a chunk kept the deployment's way is still there."""
+    day = KeyScope(retention=CacheRetention.DAY)
+    short, other = chunk_keys(FP, range(64 * 2), 64, scope=day)
+    assert short.kind is Kind.CHUNK_24H and short.digest == KEYS[0].digest  # the same name, another kind
+    clock = Clock()
+    tier_set = {**TIER_SETS[tiers]}
+    with make_store(tmp_path, redis_server.url, clock, **tier_set) as store:
+        store.put(short, b"a day")
+        store.put(other, b"a day, used")
+        store.put(KEYS[2], b"the deployment's")
+        assert store.flush(10)
+        if tier_set["ssd"]:
+            assert sorted(p.suffix for p in (tmp_path / "ssd").rglob("*.chunk*")) == [".chunk", ".chunk-24h",
+                                                                                    ".chunk-24h"]
+        client, name = redis.Redis.from_url(redis_server.url), f"{store.config.redis_namespace}:chunk_24h:{short.hex}"
+        assert client.exists(name) == tier_set["redis_bytes"]
+        clock.now += 23 * HOUR
+        assert store.get(other) == b"a day, used"  # 23 h: kept (and used again)
+        config = store.config
+    with TieredStore(config, FP, clock=clock) as store:  # a restart: the SSD's scan reads the names
+        if tier_set["ssd"] and not tier_set["ram"]:
+            assert store.get(other) == b"a day, used"
+        clock.now += 1.5 * HOUR  # short: 24.5 h unused
+        assert store.get(short) is None
+        store.gc()
+        assert store.flush(10)
+        assert not [p for p in tmp_path.rglob("*") if short.hex in p.name] and not client.exists(name)
+        assert store.lookup_prefix([short]).chunks == 0
+        if tier_set["ssd"]:
+            assert store.get(KEYS[2]) == b"the deployment's"  # 24.5 h: kept (72 h)
+
+
+def test_a_conversation_asked_in_memory_never_leaves_ram(tmp_path: Path, redis_server: RedisServer) -> None:
+    """``prompt_cache_retention: in_memory``: its chunks and window state go to no SSD
+    file and no Redis bytes, and are gone from RAM when the window's minutes end."""
+    scope = KeyScope(retention=CacheRetention.IN_MEMORY)
+    chunk = chunk_keys(FP, range(64), 64, scope=scope)[0]
+    window = window_key(FP, list(range(70)), 64, scope=scope)
+    assert (chunk.kind, window.kind) == (Kind.CHUNK_IN_MEMORY, Kind.WINDOW_IN_MEMORY)
+    clock = Clock()
+    with make_store(tmp_path, redis_server.url, clock, ram=True, ssd=True, redis_bytes=True,
+                    persist_window_states=True, window_ttl_minutes=30) as store:
+        store.put(chunk, b"chunk")
+        store.put(window, b"window")
+        assert store.flush(10)
+        assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+        client = redis.Redis.from_url(redis_server.url)
+        assert not [name for name in client.scan_iter(f"{store.config.redis_namespace}:*")
+                    if b":loc:" not in name]  # index entries only: no bytes
+        clock.now += 29 * 60
+        assert store.get_many([chunk, window]) == [b"chunk", b"window"]
+        clock.now += 31 * 60
+        store.gc()
+        assert store.get_many([chunk, window]) == [None, None]
+        assert store.lookup_prefix([chunk]).chunks == 0

@@ -258,3 +258,19 @@ def test_a_turn_that_thought_nothing_still_says_it_thought() -> None:
     plain = ResponseBuilder("resp_3", MODEL, {}, thinking=False)
     assert [e["item"]["type"] for e in _events(plain, [{"content": "x"}], "stop")
             if e["type"] == "response.output_item.added"] == ["message"]
+
+
+def test_a_record_names_its_cache_once_and_reads_junk_as_no_name():
+    """A record's ``cache``: the store's objects of its conversation, each once, kinds
+    kept; what is not a name (a record is data read back) is skipped."""
+    from cluster.serving.records import cache_names, with_cache
+    from storage.keys import CacheRetention, Fingerprint, KeyScope, Kind, ObjectKey, chunk_keys
+
+    fp = Fingerprint.of("m", {"a": 1})
+    keys = chunk_keys(fp, range(96), 32) + chunk_keys(fp, range(64), 32, scope=KeyScope(retention=CacheRetention.DAY))
+    record = with_cache(with_cache({"response": {}}, keys[:2]), keys[1:])
+    assert cache_names(record) == keys and record["response"] == {}
+    assert cache_names(read_record(encoded({**record, "input": [], "response": {"id": "r", "output": []}}))) == keys
+    junk = {"cache": [[1, "zz"], [99, keys[0].hex], "x", [1], None, [2, keys[0].hex]]}
+    assert cache_names(junk) == [ObjectKey(Kind.WINDOW, keys[0].digest)]
+    assert cache_names({"cache": "not a list"}) == [] and cache_names({}) == []
