@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--ssd-tb", type=float, default=None, help="SSD capacity (default: unbounded)")
     run.add_argument("--retention-hours", type=float, default=72.0)
     run.add_argument("--window-ttl-min", type=float, default=30.0)
+    run.add_argument("--tenants", default=None, metavar="NAME=SHARE:RETENTION,...",
+                     help="a tenant mix (scale mode): each tenant's share of the sessions and the retention it asks "
+                     "(in_memory, 24h, 72h), e.g. acme=0.6:72h,globex=0.3:24h,hooli=0.1:in_memory")
     run.add_argument("--mode", choices=("scale", "exact"), default="scale",
                      help="scale: sizes only; exact: real files (payloads divided by --shrink)")
     run.add_argument("--shrink", type=int, default=None, help="divide object sizes by this (default 1; exact 1000)")
@@ -120,13 +123,22 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(error)) from None
     if args.requests_table and args.out is None:
         raise UserError("--requests-table needs --out")
+    if args.tenants is not None:
+        from cluster.lab.sim_config import TenantShare
+
+        try:
+            TenantShare.parse(args.tenants)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        if args.mode != "scale" or args.requests_table:
+            raise UserError("--tenants runs in scale mode, without --requests-table")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     shrink = args.shrink if args.shrink is not None else (1000 if args.mode == "exact" else 1)
     fields = {"ram_bytes": int(args.ram_gb * 2**30), "ssd_bytes": None if args.ssd_tb is None else int(args.ssd_tb * 1e12),
               "chunk_retention_hours": args.retention_hours, "window_ttl_minutes": args.window_ttl_min,
               "mode": args.mode, "shrink": shrink, "hours": args.hours,
-              "model": str(args.model) if args.model else None}
+              "model": str(args.model) if args.model else None, "tenants": args.tenants}
     checkpoints = None if args.no_checkpoint or args.requests_table else str(args.checkpoint_dir)
     tables = {policy: str(args.out / f"requests-{policy}.parquet") if args.requests_table else None
               for policy in policies}
@@ -185,6 +197,16 @@ def _print_table(report: dict) -> None:
               f"{r['mean_stored_bytes'] / 1e9:>10.1f}GB {r['peak_stored_bytes'] / 1e9:>10.1f}GB")
     if "stored_bytes_v41_over_v4" in report:
         print(f"stored bytes, V4.1 / V4 (time mean): {report['stored_bytes_v41_over_v4']:.3f}")
+    for policy, r in report["policies"].items():
+        if r.get("tenants"):
+            print(f"\n{policy}, by tenant:\n{'tenant':<12} {'share':>6} {'keeps':>9} {'requests':>10} {'hit RAM':>8} "
+                  f"{'hit SSD':>8} {'hit':>7} {'written':>10} {'in RAM':>10} {'on SSD':>10}")
+            for t in r["tenants"]:
+                rates, totals, held = t["rates"], t["totals"], t["held_bytes"]
+                written = totals["chunk_bytes_written"] + totals["window_bytes_written"]
+                print(f"{t['name']:<12} {t['share']:>6.2f} {t['retention']:>9} {totals['requests']:>10,} "
+                      f"{rates['hit_rate_ram']:>8.3f} {rates['hit_rate_ssd']:>8.3f} {rates['hit_rate']:>7.3f} "
+                      f"{written / 1e9:>8.1f}GB {held['ram'] / 1e9:>8.1f}GB {held['ssd'] / 1e9:>8.1f}GB")
 
 
 # ---------------------------------------------------------------------- report

@@ -66,3 +66,4 @@ class Result:
     samples: list[Sample] = field(default_factory=list)
     virtual_s: float = 0.0
     wall_s: float = 0.0
+    tenants: list[dict] = field(default_factory=list)  # each tenant's share (SimConfig.tenants)

@@ -133,14 +133,15 @@ def simulate_policy(policy: str, config_fields: dict, spec, show_progress: bool,
     from cluster.lab import sizes as sizes_module
     from cluster.lab.native import active
     from cluster.lab.request_table import RequestTable
-    from cluster.lab.sim_config import SimConfig
+    from cluster.lab.sim_config import SimConfig, TenantShare
     from cluster.lab.simulate import Simulator
 
     torch.set_num_threads(1)
     model = config_fields.pop("model")
     sizes = sizes_module.v4_flash() if policy == "v4" else (
         sizes_module.from_config(model) if model else sizes_module.from_config())
-    config = SimConfig(sizes, **config_fields)
+    tenants = config_fields.get("tenants")
+    config = SimConfig(sizes, **{**config_fields, "tenants": TenantShare.parse(tenants) if tenants else ()})
     checkpoint = None
     if checkpoint_dir is not None and config.mode == "scale":  # one file per policy, workload and settings
         tag = hashlib.sha1(json.dumps([policy, config_fields, model, spec], sort_keys=True).encode()).hexdigest()
@@ -164,7 +165,7 @@ def simulate_policy(policy: str, config_fields: dict, spec, show_progress: bool,
             "totals": asdict(result.totals),
             "store": result.store, "virtual_hours": result.virtual_s / 3600, "wall_s": result.wall_s,
             "mean_stored_bytes": sum(stored) / max(1, len(stored)),
-            "peak_stored_bytes": max(stored, default=0),
+            "peak_stored_bytes": max(stored, default=0), "tenants": result.tenants,
             "samples": [asdict(s) for s in samples]}
 
 

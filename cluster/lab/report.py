@@ -12,7 +12,9 @@ window states on SSD with the chunks for 72 h), in scale mode:
 - **ssd**: SSD capacity, write bandwidth and drive writes per day needed for 72 h
   against the request rate (the agent workload at several numbers of sessions);
 - **cost**: per default run, prefill compute avoided and TTFT saved under a stated FLOP
-  model (``Cost``), less the time to load what hit from RAM or SSD.
+  model (``Cost``), less the time to load what hit from RAM or SSD;
+- **deployment**: a node of a fleet whose traffic RAM cannot hold for 72 h, against the
+  chunk retention: what retention on SSD buys (:mod:`cluster.lab.deployment`).
 
 Outputs in one directory: ``runs.parquet`` (one row per run), ``samples.parquet`` (one
 row per run and sampled hour), ``summary.json``, PNG plots and ``report.md``.
@@ -25,6 +27,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from cluster.lab import deployment
 
 RETENTIONS_H = (0.5, 1.0, 2.0, 4.0, 8.0, 24.0, 48.0, 72.0, 168.0)
 WINDOW_TTLS_MIN = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0)
@@ -81,7 +85,7 @@ def jobs(agent_sessions: int, agent_hours: float, trace_rows: int | None = None)
                 for ram in RAM_GB if ram != DEFAULTS["ram_gb"]]
         out += [Job("ssd", "agent", policy, sessions=max(1, round(agent_sessions * scale)), hours=agent_hours)
                 for scale in SESSION_SCALES if scale != 1.0]
-    return out
+    return out + deployment.jobs(Job, agent_sessions, agent_hours)
 
 
 def _requests(job: Job):
@@ -194,6 +198,7 @@ def summarize(rows: list[dict]) -> dict:
                          | {"peak_ssd_tb": round(r["peak_ssd_bytes"] / 1e12, 3),
                             "ssd_write_mb_per_s": round(r["ssd_write_bytes_per_s"] / 1e6, 1)}
                          for p, r in (("v41", v41), ("v4", v4))}}
+    summary["deployment"] = deployment.summarize(rows)
     return summary
 
 
@@ -318,6 +323,7 @@ def markdown(summary: dict, rows: list[dict]) -> str:
                 lines.append(f"| {policy} {key[9:].upper()} | " + " | ".join(f"{values[r]:.3f}" for r in RETENTIONS_H)
                              + " |")
         lines.append("")
+    lines += deployment.markdown(summary.get("deployment", {}))
     lines += ["## Plots", "", "![hit rate vs retention](hit_rate_vs_retention.png)", "",
               "![bytes per tier over time](bytes_per_tier_over_time.png)", "",
               "![window states](window_states.png)", "", "![SSD sizing](ssd_sizing.png)", "",

@@ -10,7 +10,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.lab.sizes import Sizes
+from storage.keys import CacheRetention
 from storage.policy import RetentionPolicy
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """A tenant of the simulated deployment: its share of the sessions and how long it
+    asks its cache to be kept (``prompt_cache_retention``: ``in_memory``, ``24h``,
+    ``72h``). Tenants never share a chunk (their names are salted apart)."""
+
+    name: str
+    share: float
+    retention: str = "72h"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.share <= 1:
+            raise ValueError(f"tenant {self.name!r}: a share is in (0, 1], got {self.share}")
+        CacheRetention(self.retention)  # (a ValueError naming the value)
+
+    @classmethod
+    def parse(cls, text: str) -> tuple[TenantShare, ...]:
+        """``NAME=SHARE:RETENTION,...`` (e.g. ``acme=0.5:72h,globex=0.5:in_memory``);
+        the shares must add up to 1."""
+        tenants = []
+        for part in text.split(","):
+            name, _, rest = part.strip().partition("=")
+            share, _, retention = rest.partition(":")
+            try:
+                tenants.append(cls(name, float(share), retention or "72h"))
+            except ValueError as error:
+                raise ValueError(f"--tenants {part.strip()!r}: {error}") from None
+        if abs(sum(t.share for t in tenants) - 1) > 1e-6 or len({t.name for t in tenants}) != len(tenants):
+            raise ValueError(f"--tenants {text!r}: distinct names whose shares add up to 1")
+        return tuple(tenants)
 
 
 @dataclass(frozen=True)
@@ -30,12 +63,15 @@ class SimConfig:
     sample_every_s: float = 3600.0
     hours: float | None = None  # stop after this much virtual time (None: the whole workload)
     extents: bool = True  # False: one object per chunk, as the live store keeps them (slower; validate)
+    tenants: tuple[TenantShare, ...] = ()  # none: one tenant, as a server without a keys file
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "scale"):
             raise ValueError("mode must be 'exact' or 'scale'")
         if self.shrink < 1:
             raise ValueError("shrink must be at least 1")
+        if self.tenants and self.mode != "scale":
+            raise ValueError("tenants are simulated in scale mode")
 
     def policy(self) -> RetentionPolicy:
         return RetentionPolicy(

@@ -20,6 +20,13 @@ an extent is evicted whole.
 With ``extents=False`` every chunk is its own object, as the live store keeps them
 (``v41 cache-sim validate`` runs so, where capacity eviction must match chunk by chunk).
 
+Tenants (``SimConfig.tenants``, scale mode): each session belongs to one, by a hash of
+its id and the tenants' shares; every owner a tenant's requests name is the tenant's own
+(as the server salts each tenant's names), and its chunks and window states are of the
+kinds its retention asks for (:class:`storage.keys.CacheRetention`), so the store keeps
+them as it would: 24 h at most, or in RAM only for the window's minutes. The result
+counts each tenant's requests, hits and bytes written, and what it holds at the end.
+
 Modes: ``exact`` stores real payloads (sizes divided by ``shrink``) in files under a
 temporary directory; ``scale`` keeps sizes only (``SizedSsdTier``: the same policy
 code, no I/O). Both give the same counters on the same input (tested).
@@ -37,14 +44,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from cluster.lab import checkpoints
+from cluster.lab import checkpoints, tenant_mix
 from cluster.lab.collector import collector_paused
 from cluster.lab.counts import Result, Sample, Totals
 from cluster.lab.request_table import RequestTable
 from cluster.lab.sim_config import SimConfig
 from cluster.lab.workload import CHUNK_TOKENS, Request, WindowId
 from storage.codec import HEADER_BYTES
-from storage.keys import Fingerprint, Kind, ObjectKey
+from storage.keys import CacheRetention, Fingerprint, Kind, ObjectKey
 from storage.policy import TierName
 from storage.store import StoreConfig, TieredStore
 from storage.sized import SizedPayload
@@ -66,12 +73,19 @@ class _Clock:
         return self.now
 
 
-def _chunk_key(owner: int, first: int) -> ObjectKey:
-    return ObjectKey(_CHUNK, _KEY.pack(owner, first, 0))
+def _chunk_key(owner: int, first: int, kind: Kind = _CHUNK) -> ObjectKey:
+    return ObjectKey(kind, _KEY.pack(owner, first, 0))
 
 
-def _window_key(window: WindowId) -> ObjectKey:
-    return ObjectKey(_WINDOW, _KEY.pack(window[0], window[1], 1))
+def _window_key(window: WindowId, kind: Kind = _WINDOW) -> ObjectKey:
+    return ObjectKey(kind, _KEY.pack(window[0], window[1], 1))
+
+
+# The counts a tenant's share of the run is told apart by.
+_REQUEST_COUNTS = ("requests", "input_tokens", "hit_tokens_ram", "hit_tokens_ssd", "requests_hit_ram",
+                   "requests_hit_ssd", "window_candidates", "window_hits_ram", "window_hits_ssd", "replays",
+                   "prefill_tokens")
+_WRITE_COUNTS = ("chunk_bytes_written", "window_bytes_written")
 
 
 def _merged(runs) -> list[tuple[int, int, int]]:
@@ -114,6 +128,16 @@ class Simulator:
         self._next_gc, self._next_sample = config.gc_interval_s, 0.0
         self._order = self._consumed = 0
         self._wall_s = 0.0
+        # Tenants: an owner's low byte is its tenant (cluster.lab.tenant_mix); the kinds
+        # its keys take, by tenant. Without tenants every owner is tenant 0's.
+        if len(config.tenants) > tenant_mix.MAX_TENANTS:
+            raise ValueError(f"at most {tenant_mix.MAX_TENANTS} tenants")
+        self._tenant_bits = tenant_mix.TENANT_BITS if config.tenants else 0
+        kinds = [CacheRetention(t.retention).kinds for t in config.tenants] or [(_CHUNK, _WINDOW)]
+        self._chunk_kinds = [chunk for chunk, _ in kinds]
+        self._window_kinds = [window for _, window in kinds]
+        self._shares = list(itertools.accumulate(t.share for t in config.tenants))
+        self.tenant_totals = [Totals() for _ in config.tenants]
 
     def _dropped(self, key: ObjectKey, location) -> None:
         """An extent that left the SSD (which holds every chunk RAM holds) is gone: forget it.
@@ -166,7 +190,7 @@ class Simulator:
         resume = request.resume
         if resume is not None and hit_chunks >= resume[1] // CHUNK_TOKENS and resume[1] >= resume_at:
             totals.window_candidates += 1
-            window = self.store.read_prefix([_window_key(resume)])
+            window = self.store.read_prefix([_window_key(resume, self._window_kinds[resume[0] & self._tenant_bits])])
             if window:
                 if window[0][1] is _RAM:
                     totals.window_hits_ram += 1
@@ -203,7 +227,8 @@ class Simulator:
                 start = extent_first
             self._put_extent(owner, start, end, new=end - lo)
         if request.window is not None:
-            self.store.put(_window_key(request.window), self._window_payload)
+            kind = self._window_kinds[request.window[0] & self._tenant_bits]
+            self.store.put(_window_key(request.window, kind), self._window_payload)
             self.totals.window_bytes_written += self.config.sizes.window_bytes
 
     def _put_extent(self, owner: int, first: int, end: int, new: int) -> None:
@@ -214,7 +239,7 @@ class Simulator:
         if extents is not None:
             for start in [s for s, (e, _) in extents.items() if s < end and e > first and s != first]:
                 self.store.remove(extents.pop(start)[1])  # (the drop callback may forget the owner)
-        key = _chunk_key(owner, first)
+        key = _chunk_key(owner, first, self._chunk_kinds[owner & self._tenant_bits])
         self._extents.setdefault(owner, {})[first] = (end, key)
         self.store.put(key, self._payload((end - first) * self._chunk_size), replace=True)
         self.totals.chunk_bytes_written += new * self._chunk_size
@@ -302,7 +327,12 @@ class Simulator:
         """A request arrives: its prefix and window state are looked up (its outcome goes
         to ``table``), and its turn's end is queued."""
         config = self.config
-        if table is None:
+        if self.tenant_totals:
+            request = tenant_mix.as_tenant(request, self._shares)
+            counted = [getattr(self.totals, name) for name in _REQUEST_COUNTS]
+            hit, prefill, found = self.arrive(request)
+            self._count_tenant(request, _REQUEST_COUNTS, counted)
+        elif table is None:
             hit, prefill, found = self.arrive(request)
         else:
             totals = self.totals
@@ -321,10 +351,23 @@ class Simulator:
         self._consumed += 1
         heapq.heappush(self._pending, (end, self._order, request, hit, found))
 
+    def _count_tenant(self, request: Request, names: Sequence[str], before: list[int]) -> None:
+        """Add what the run's totals gained since ``before`` to the request's tenant's."""
+        mine = self.tenant_totals[tenant_mix.tenant_of(request)]
+        for name, was in zip(names, before):
+            setattr(mine, name, getattr(mine, name) + getattr(self.totals, name) - was)
+
+    def _tenant_turn_end(self, request: Request, hit_chunks: int, found: Sequence[tuple[int, int, int]] = ()) -> None:
+        """:meth:`turn_end`, its bytes written counted for the request's tenant too."""
+        before = [getattr(self.totals, name) for name in _WRITE_COUNTS]
+        self.turn_end(request, hit_chunks, found)
+        self._count_tenant(request, _WRITE_COUNTS, before)
+
     def _advance(self, until: float, restarts: list[float], progress: Callable[[float, int], None] | None) -> None:
         """Every event up to ``until``: turn ends, restarts (popped from ``restarts``), GC, samples."""
         config, pending = self.config, self._pending  # turn ends: (time, order, request, chunks found, extents found)
-        clock, turn_end, heappop = self.clock, self.turn_end, heapq.heappop
+        clock, heappop = self.clock, heapq.heappop
+        turn_end = self._tenant_turn_end if self.tenant_totals else self.turn_end
         while True:
             # The common event in a tight loop: turn ends up to the next restart (which
             # goes first at the same time), GC or sample (which go after).
@@ -361,7 +404,13 @@ class Simulator:
                       totals=self.totals, rates=self.totals.rates(),
                       store={"tiers": {tier: asdict(counters) for tier, counters in stats.tiers.items()},
                              "objects": stats.objects, "bytes_stored": stats.bytes_stored, "gc_runs": stats.gc_runs},
-                      samples=self.samples, virtual_s=self.clock.now, wall_s=self._wall_s + wall_s)
+                      samples=self.samples, virtual_s=self.clock.now, wall_s=self._wall_s + wall_s,
+                      tenants=self._tenant_results())
+
+    def _tenant_results(self) -> list[dict]:
+        if not self.tenant_totals:
+            return []
+        return tenant_mix.results(self.config, self.tenant_totals, self.store.sized_state())
 
     # -- checkpoints (scale mode) --------------------------------------------------------
 
@@ -377,7 +426,8 @@ class Simulator:
                 "pending": [(t, order, checkpoints.request_fields(r), hit, found)
                             for t, order, r, hit, found in self._pending],
                 "next_gc": self._next_gc, "next_sample": self._next_sample, "order": self._order,
-                "consumed": self._consumed, "wall_s": self._wall_s}
+                "consumed": self._consumed, "wall_s": self._wall_s,
+                "tenant_totals": [asdict(t) for t in self.tenant_totals]}
         extents = sum(len(spans) for spans in self._extents.values())
         checkpoints.save(path, meta, tiers, (extents, ((owner, first, end) for owner, spans in self._extents.items()
                                                        for first, (end, _) in spans.items())))
@@ -390,9 +440,11 @@ class Simulator:
             self.store.restore_sized(state)
             self._extents = {}
             for owner, first, end in checkpoints.extent_rows(data["extents"]):
-                self._extents.setdefault(owner, {})[first] = (end, _chunk_key(owner, first))
+                kind = self._chunk_kinds[owner & self._tenant_bits]
+                self._extents.setdefault(owner, {})[first] = (end, _chunk_key(owner, first, kind))
         self.clock.now = meta["clock"]
         self.totals = Totals(**meta["totals"])
+        self.tenant_totals = [Totals(**t) for t in meta.get("tenant_totals", [])] or self.tenant_totals
         self.samples = [Sample(**s) for s in meta["samples"]]
         self._pending = [(t, order, checkpoints.request_of(r), hit, [tuple(f) for f in found])
                          for t, order, r, hit, found in meta["pending"]]
@@ -401,7 +453,9 @@ class Simulator:
         self._order, self._consumed, self._wall_s = meta["order"], meta["consumed"], meta["wall_s"]
 
     def _config_fingerprint(self) -> dict:
-        return {k: v for k, v in asdict(self.config).items() if k != "sizes"} | {"sizes": self.config.sizes.as_dict()}
+        """The settings a checkpoint must have been written with, as JSON gives them back."""
+        settings = {k: v for k, v in asdict(self.config).items() if k != "sizes"}
+        return settings | {"sizes": self.config.sizes.as_dict(), "tenants": [asdict(t) for t in self.config.tenants]}
 
     def close(self) -> None:
         self.store.close()

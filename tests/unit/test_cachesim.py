@@ -362,3 +362,39 @@ def test_a_killed_command_takes_its_policy_processes_with_it():
         for pid in children:  # (a failure leaves none behind either)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_tenant_mix_keeps_each_tenants_cache_as_it_asked():
+    """``SimConfig.tenants``: one tenant asking 72 h is the deployment without tenants,
+    one asking 24 h is the deployment at 24 h retention (counter for counter); in a mix,
+    the tenants' counts add up to the run's, a tenant asking ``in_memory`` never hits
+    nor holds anything on SSD, and tenants share no chunk."""
+    from cluster.lab.sessions import synthetic
+    from cluster.lab.sim_config import TenantShare
+    from cluster.lab.workload import Profile
+    from dataclasses import asdict
+
+    profile = Profile.named("agent", sessions=80, hours=60)
+    base = dict(ram_bytes=300_000, hours=60)
+
+    def run(**overrides):
+        return simulate(SimConfig(SIZES, **{**base, **overrides}), synthetic(profile))
+
+    plain, day = run(), run(chunk_retention_hours=24.0)
+    assert asdict(run(tenants=TenantShare.parse("all=1:72h")).totals) == asdict(plain.totals)
+    assert asdict(run(tenants=TenantShare.parse("all=1:24h")).totals) == asdict(day.totals)
+    assert day.totals.hit_tokens_ssd < plain.totals.hit_tokens_ssd  # (the workload returns after a day)
+    mix = run(tenants=TenantShare.parse("a=0.5:72h,b=0.3:24h,c=0.2:in_memory"))
+    by_name = {t["name"]: t for t in mix.tenants}
+    for field in ("requests", "input_tokens", "hit_tokens_ram", "hit_tokens_ssd", "chunk_bytes_written",
+                  "window_bytes_written", "prefill_tokens"):
+        assert sum(t["totals"][field] for t in mix.tenants) == getattr(mix.totals, field), field
+    assert all(t["totals"]["requests"] > 0 for t in mix.tenants)
+    assert by_name["c"]["totals"]["hit_tokens_ssd"] == 0 and by_name["c"]["held_bytes"]["ssd"] == 0
+    assert by_name["a"]["held_bytes"]["ssd"] > 0
+    assert mix.totals.hit_tokens_ram + mix.totals.hit_tokens_ssd < plain.totals.hit_tokens_ram + \
+        plain.totals.hit_tokens_ssd  # shared system prompts are no longer shared across tenants
+    with pytest.raises(ValueError, match="add up to 1"):
+        TenantShare.parse("a=0.5:72h,b=0.4:24h")
+    with pytest.raises(ValueError, match="48h"):
+        TenantShare.parse("a=1:48h")

@@ -92,4 +92,16 @@ def test_the_report_writes_its_tables_plots_and_markdown(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (tmp_path / "report.md").read_text()
     assert "Stored bytes V4.1 / V4" in text and "![SSD sizing](ssd_sizing.png)" in text
+    # At a deployment's scale: one node's share of a fleet's traffic in a 10% RAM pool,
+    # against the retention; longer never loses a hit, and only SSD holds past the RAM.
+    from cluster.lab import deployment
+
+    scale = summary["deployment"]
+    assert list(scale["retention"]) == [f"{r:g}" for r in deployment.RETENTIONS_H]
+    assert scale["sessions_per_node"] == 12 * deployment.LOAD and scale["ram_gb_per_node"] == 204.8
+    hits = [r["hit_rate"] for r in scale["retention"].values()]
+    assert hits == sorted(hits)
+    assert all(r["peak_ssd_tb_fleet"] == pytest.approx(r["peak_ssd_tb_per_node"] * deployment.NODES, abs=0.01)
+               for r in scale["retention"].values())
+    assert f"## At a deployment's scale ({deployment.NODES} nodes)" in text
     assert json.loads((tmp_path / "summary.json").read_text())["runs"] == summary["runs"]
