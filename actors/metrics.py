@@ -52,8 +52,9 @@ class RouterMetrics:
                                             "conversation it continues (its last answer had just gone out)",
                                             boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0, 5.0])
         self.routed = metrics.Counter("v41_router_decoder_choices_total", "decoder replicas the router chose (routing "
-                                      "affinity), by why: kept the conversation, on the cache's node, moved for "
-                                      "load, or anywhere (nothing cached)", tag_keys=("choice",))
+                                      "affinity), by why: kept the conversation, on the cache's node, its "
+                                      "prompt_cache_key's group, moved for load, or anywhere (nothing cached)",
+                                      tag_keys=("choice",))
         self.redis_up = metrics.Gauge("v41_redis_up", "1 when the cluster index (Redis) answers, else 0")
         self.stores_down = metrics.Gauge("v41_stores_down", "node stores not answering")
 

@@ -76,7 +76,7 @@ class Dispatcher:
         conversation a decoder replica keeps that the prompt continues, or None);
         ``marks["replica"]`` says which replica was chosen."""
         lookup = self._engram_lookup(tokens)
-        replica, nodes = self._choose(plan, resume, marks)
+        replica, nodes = self._choose(plan, resume, marks, request.cache_group)
         decoder = self.decoder_direct if lookup is None else self.decoder  # (Engram refs travel by reference)
         if resume is not None:
             # The replica that keeps it encodes only what the conversation added, from its
@@ -118,16 +118,18 @@ class Dispatcher:
         text = None if self.image_token_id is None else ids != self.image_token_id  # no n-gram across an image
         return self.engram.start(self.hasher.hash_ids(ids, token_mask=text)[0][0])
 
-    def _choose(self, plan: CachePlan, resume: tuple[object, Kept] | None, marks: dict) -> tuple[str | None, list]:
+    def _choose(self, plan: CachePlan, resume: tuple[object, Kept] | None, marks: dict,
+                group: bytes | None = None) -> tuple[str | None, list]:
         """(the decoder replica, the nodes in order of preference): the replica that keeps
         the conversation, or one where the cache is, unless another has a shorter backlog
-        of admissions (then the cache moves). The prefill pool prefers the same node."""
+        of admissions (then the cache moves); with nothing cached, ``group``'s (a
+        ``prompt_cache_key``'s). The prefill pool prefers the same node."""
         cache_nodes = list(plan.nodes)
         kept = resume[1] if resume is not None else None
         if kept is not None:
             cache_nodes = [kept.node] + [node for node in cache_nodes if node != kept.node]
         replica, nodes = (kept.replica if kept is not None else None), cache_nodes
-        chosen = self.load.choose(cache_nodes, replica) if self.load is not None else None
+        chosen = self.load.choose(cache_nodes, replica, group) if self.load is not None else None
         if chosen is not None:
             replica = chosen.replica
             nodes = [chosen.node] + [node for node in cache_nodes if node != chosen.node]

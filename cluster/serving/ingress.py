@@ -193,7 +193,8 @@ class Router:
         request, parsed, tokens = await asyncio.to_thread(self._prepare, adapter, data, history)
         request = self.prompts.fit(request, tokens)
         retention = tenant.retention(request.cache_retention)
-        request = dataclasses.replace(request, cache_retention=retention)
+        request = dataclasses.replace(request, cache_retention=retention,
+                                      cache_group=tenant.group(request.cache_group))
         images = self.prompts.images(request, tokens)
         marks["rendered"] = time.time()
         scope = tenant.scope_for(retention)

@@ -115,6 +115,7 @@ class _Request(Schema):
     logit_bias: dict[str, Number] | None = None
     user: str | None = None
     prompt_cache_retention: Retention | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
 
 
 class ChatRequest(_Request):
@@ -173,7 +174,8 @@ def parse_chat(data: dict, model_name: str, ceiling: int | None, vocab_size: int
                              parallel_tool_calls=request.parallel_tool_calls is not False,
                              response_format=_response_format(request), n=parts.answers(request.n),
                              images=tuple(images), fills_context=_max_tokens(request) is None,
-                             cache_retention=parts.retention(request.prompt_cache_retention))
+                             cache_retention=parts.retention(request.prompt_cache_retention),
+                             cache_group=parts.group(request.prompt_cache_key))
 
 
 def _message(i: int, message: _Message, read_image, images: list, max_images: int) -> Message:
@@ -234,4 +236,5 @@ def parse_completion(data: dict, model_name: str, ceiling: int | None, vocab_siz
                                                    parts.COMPLETIONS_MAX_TOKENS),
                              request.stream, bool(options is not None and options.include_usage), prompt=prompt,
                              n=parts.answers(request.n), prompt_param="prompt",
-                             cache_retention=parts.retention(request.prompt_cache_retention))
+                             cache_retention=parts.retention(request.prompt_cache_retention),
+                             cache_group=parts.group(request.prompt_cache_key))

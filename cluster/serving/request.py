@@ -54,6 +54,9 @@ class GenerationRequest:
     # How long its conversation's cache may be kept (``prompt_cache_retention``; None: not
     # asked). The router bounds it by the tenant's allowance: then never None.
     cache_retention: CacheRetention | None = None
+    # Requests that share a long prefix (``prompt_cache_key``, as sent; the router makes it
+    # the tenant's own group, a digest): routed together while nothing of it is cached.
+    cache_group: bytes | None = None
 
     def samples(self) -> list[SamplingParams]:
         """Each answer's sampling: with a seed, answer i takes seed + i."""

@@ -205,3 +205,8 @@ def check_model(model: str | None, model_name: str) -> None:
 def retention(asked: str | None) -> CacheRetention | None:
     """``prompt_cache_retention`` as asked (validated by the schema), None if not."""
     return None if asked is None else CacheRetention(asked)
+
+
+def group(key: str | None) -> bytes | None:
+    """``prompt_cache_key`` as sent (the router makes it its tenant's group)."""
+    return None if key is None else key.encode()

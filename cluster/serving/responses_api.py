@@ -87,10 +87,9 @@ class _Reasoning(Schema):
 
 
 class ResponsesRequest(Schema):
-    """What this server implements of a Responses request. ``user``,
-    ``safety_identifier`` and ``prompt_cache_key`` are accepted and unused (tags;
-    every prompt's prefix is cached and routed to its cache anyway); ``metadata`` is
-    returned as sent."""
+    """What this server implements of a Responses request. ``user`` and
+    ``safety_identifier`` are accepted and unused (tags); ``metadata`` is returned as
+    sent."""
 
     model: str | None = None
     input: str | list[Item]
@@ -114,7 +113,7 @@ class ResponsesRequest(Schema):
     metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
     prompt_cache_retention: Retention | None = None
 
 
@@ -211,7 +210,8 @@ def _generation(request: ResponsesRequest, messages: tuple[Message, ...], model_
                              tool_checks=tools.checks, parallel_tool_calls=request.parallel_tool_calls is not False,
                              response_format=response_format, images=images, prompt_param="input",
                              format_param="text.format", fills_context=request.max_output_tokens is None,
-                             cache_retention=parts.retention(request.prompt_cache_retention))
+                             cache_retention=parts.retention(request.prompt_cache_retention),
+                             cache_group=parts.group(request.prompt_cache_key))
 
 
 def _response_format(request: ResponsesRequest) -> dict | None:

@@ -103,7 +103,10 @@ class DecoderLoad:
     conversation, else the least loaded one on the first node that holds its cache,
     unless that one has more than ``slack`` such requests beyond the least loaded
     replica of all (then the request goes there, and reads its cache from the store).
-    ``replicas()`` gives the pool as {replica id: node id}."""
+    A request with nothing cached anywhere that names a group (a tenant's
+    ``prompt_cache_key``) prefers the group's replica, the same for every request of
+    the group, under the same slack: requests that share a long prefix meet where the
+    first of them leaves it. ``replicas()`` gives the pool as {replica id: node id}."""
 
     def __init__(self, replicas, slack: int = ADMISSION_SLACK) -> None:
         self.replicas = replicas
@@ -111,9 +114,9 @@ class DecoderLoad:
         self.pending: dict[str, int] = {}  # replica -> requests without a first token
         self._turn = 0  # ties between the least loaded replicas go to each in turn
 
-    def choose(self, cache_nodes: list[str], kept: str | None = None) -> Choice | None:
+    def choose(self, cache_nodes: list[str], kept: str | None = None, group: bytes | None = None) -> Choice | None:
         """The replica for a request whose cache is on ``cache_nodes`` (best first) or
-        kept by replica ``kept``; None while the pool is unknown."""
+        kept by replica ``kept``, or of ``group`` (a digest); None while the pool is unknown."""
         replicas = self.replicas()
         if not replicas:
             return None
@@ -131,6 +134,8 @@ class DecoderLoad:
             if here:
                 preferred = min(here, key=load)
                 break
+        if preferred is None and group is not None:
+            preferred, reason = sorted(replicas)[int.from_bytes(group[:8], "little") % len(replicas)], "group"
         if preferred is None:
             return Choice(least, replicas[least], "anywhere")
         if load(preferred) - load(least) <= self.slack:

@@ -111,6 +111,12 @@ class Tenant:
         None: the deployment's 72 h), at most the tenant's ``max_retention``."""
         return (asked or CacheRetention.DEFAULT).at_most(CacheRetention(self.policy.max_retention))
 
+    def group(self, key: bytes | None) -> bytes | None:
+        """A ``prompt_cache_key``'s routing group: the tenant's own (a digest of both)."""
+        if key is None:
+            return None
+        return hashlib.blake2b(key, digest_size=16, key=self.name.encode()[:64], person=b"v41-cache-group").digest()
+
     def scope_for(self, retention: CacheRetention) -> KeyScope:
         """The names of a request's cache that is kept so."""
         return dataclasses.replace(self.scope, retention=retention)

@@ -207,3 +207,27 @@ def test_the_ingress_knows_the_pool_and_its_choice_is_where_requests_go():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_a_prompt_cache_key_sends_its_group_to_one_replica_while_nothing_is_cached():
+    """``prompt_cache_key``: requests of one group, nothing of them cached yet, go to the
+    group's replica (under the same slack as a cache's), and groups spread over the pool;
+    a cached prefix or a kept conversation still decides first."""
+    import hashlib
+
+    from cluster.serving.routing import DecoderLoad
+
+    pool = {"a1": "A", "a2": "A", "b1": "B"}
+    load = DecoderLoad(lambda: pool, slack=1)
+    groups = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(12)]
+    first = [load.choose([], group=g) for g in groups]
+    assert all(choice.reason == "group" for choice in first)
+    assert [load.choose([], group=g).replica for g in groups] == [c.replica for c in first]  # stable
+    assert len({c.replica for c in first}) == 3  # spread
+    home = first[0].replica
+    assert load.choose(["B"], group=groups[0]).node == "B"  # a cached prefix wins
+    assert load.choose([], kept="a2", group=groups[0]).replica == "a2"
+    load.started(home)
+    assert load.choose([], group=groups[0]).replica == home  # within the slack
+    load.started(home)
+    assert load.choose([], group=groups[0]).reason == "moved"  # beyond it
