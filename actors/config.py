@@ -132,6 +132,9 @@ class AppConfig(BaseModel):
     # The leading tokens of a prompt that tenants with share_prefixes name in the
     # deployment's shared namespace (a system prompt every tenant sends hits for all).
     shared_prefix_tokens: NonNegativeInt = 0
+    # With a keys file, the debugging headers (x-v41-*, Server-Timing) go to every tenant,
+    # not only to those whose entry says debug_headers (without one they always do).
+    debug_headers: bool = False
     threads: PositiveInt = 1
     engram_shards: NonNegativeInt = 0  # 0: Engram rows from in-process tables; N: a sharded table service
     engram_replicas: PositiveInt = 1

@@ -87,6 +87,7 @@ class Access:
             load_secret(None if config.cache_secret_file is None else Path(config.cache_secret_file)),
             config.shared_prefix_tokens)
         self.only_tenant = single_tenant()
+        self.debug_headers = config.debug_headers
         self.gate = TenantGate(config.decoder_replicas * config.max_batch + config.max_queued_requests)
         self.retry_after = retry_after
 
@@ -104,6 +105,10 @@ class Access:
             raise ApiError(401, "invalid API key", kind="authentication_error", code="invalid_api_key")
         OWNER.set(tenant.name)
         return tenant
+
+    def shown(self, headers: dict[str, str], tenant: Tenant) -> dict[str, str]:
+        """:func:`shown`, with every tenant allowed the debugging headers when the app says so."""
+        return headers if self.debug_headers else shown(headers, tenant)
 
     def enter(self, tenant: Tenant) -> Place:
         """The tenant's place for one generation request (a 429 beyond its share)."""

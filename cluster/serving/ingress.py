@@ -32,7 +32,7 @@ from actors.events import Token
 from actors.replica import ModelIdentity, node_id, prompt_gil_handoff
 from actors.store import node_store, peer_store
 from cluster.serving.adapter import Adapter, Exchange, Model, Totals
-from cluster.serving.admission import Access, Place, shown
+from cluster.serving.admission import Access, Place
 from cluster.serving.answers import Answer
 from cluster.serving.conversations_adapter import Conversations
 from cluster.serving.dispatcher import ClientGone, Dispatcher, generation_failed
@@ -255,7 +255,8 @@ class Router:
             to_first = {**marks, **first.admission.timeline, "first_token": time.time()}
             headers["server-timing"] = server_timing(to_first, first.admission.replica_s, first.admission.prefilled_by)
             return StreamingResponse(place.until_done(adapter.stream(exchange, answers)),
-                                     media_type="text/event-stream", headers=shown(headers, tenant))
+                                     media_type="text/event-stream",
+                                     headers=self.access.shown(headers, tenant))
         return await self._answer_whole(adapter, exchange, answers, marks, headers, tenant)
 
     def _refuse(self, endpoint: str, marks: dict, error: ApiError) -> JSONResponse:
@@ -294,7 +295,7 @@ class Router:
         # How many times the prompt was encoded for these answers (1 whatever n).
         prefills = len({(a.timeline.get("prefill_in"), a.timeline.get("prefill_out")) for a in answers})
         admission = first.admission
-        return JSONResponse(body, background=counted, headers=shown({
+        return JSONResponse(body, background=counted, headers=self.access.shown({
             "x-v41-replica-ms": f"{1e3 * admission.replica_s:.3f}", "x-v41-prefills": str(prefills), **headers,
             **store_times(marks), "server-timing": server_timing(marks, admission.replica_s, admission.prefilled_by)},
             tenant))

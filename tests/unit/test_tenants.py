@@ -160,3 +160,26 @@ def test_a_public_address_needs_a_key_or_the_insecure_flag(tmp_path, monkeypatch
     assert args["api_keys_file"] == str(keys) and "api_key_file" not in args
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert _serve_args("--host", "0.0.0.0")["api_key"] == "from-env"
+
+
+def test_the_app_may_show_every_tenant_the_debug_headers(tmp_path):
+    from types import SimpleNamespace
+
+    from cluster.serving.admission import Access
+
+    path = tmp_path / "keys.yaml"
+    path.write_text("tenants: {a: {keys: [k]}}")
+    (tmp_path / "secret").write_bytes(b"s" * 32)
+    settings = dict(resolved_api_key=lambda: None, api_keys_file=str(path), cache_secret_file=str(tmp_path / "secret"),
+                    shared_prefix_tokens=0, decoder_replicas=1, max_batch=4, max_queued_requests=4)
+    headers = {"x-v41-moved-bytes": "5", "v41-cache-retention": "72h"}
+    quiet = Access(SimpleNamespace(**settings, debug_headers=False), lambda n: 1)
+    loud = Access(SimpleNamespace(**settings, debug_headers=True), lambda n: 1)
+    tenant = quiet.tenants.tenants["a"]
+    assert quiet.shown(headers, tenant) == {"v41-cache-retention": "72h"}
+    assert loud.shown(headers, tenant) == headers
+    request = SimpleNamespace(headers={"authorization": "Bearer k"})
+    assert quiet.authorize(request).name == "a"
+    with pytest.raises(ApiError) as refused:
+        quiet.authorize(SimpleNamespace(headers={}))
+    assert refused.value.status == 401
