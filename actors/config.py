@@ -201,6 +201,16 @@ class AppConfig(BaseModel):
         (their MoE runs in other processes, eager)."""
         return self.compiled_step is not False and parallel.experts == 1
 
+    def replica_places(self) -> int:
+        """Requests a decoder replica takes at once: its batch and a few more (they wait in
+        it for a place, and the prefetches get through)."""
+        return self.max_batch + max(4, self.max_batch // 4)
+
+    def places(self) -> int:
+        """Generation requests the app holds at once before its queue's 429: every decoder
+        replica's places (at the most replicas) and the router's queue."""
+        return (self.decoder_max_replicas or self.decoder_replicas) * self.replica_places() + self.max_queued_requests
+
     def routed_experts(self) -> int:
         import json
 

@@ -4,13 +4,14 @@
 (:mod:`cluster.serving.tenants`; one tenant and an optional single key without a keys
 file) and makes it the request's owner of stored records.
 
-The router holds at most ``capacity`` generation requests at once without refusing any:
-every decoder batch's places and the bounded queue behind them. A tenant may hold at
-most its share of them (its ``queue_share`` over all tenants' shares, rounded up) and at
-most its ``max_concurrent``; a request beyond that is answered 429 at once and changes
-nothing, while every other tenant's requests still find their places free: one
-tenant's flood fills its own share, not the queue. With one tenant the gate never
-refuses: the queue's own bound answers 429 as before.
+The app holds at most ``capacity`` generation requests at once without refusing any
+(:meth:`actors.config.AppConfig.places`: every decoder replica's places and the bounded
+queue behind them). A tenant may hold at most its share of them (its ``queue_share``
+over all tenants' shares, rounded up) and at most its ``max_concurrent``; a request
+beyond that is answered 429 at once and changes nothing, while every other tenant's
+requests still find their places free: one tenant's flood fills its own share, not the
+queue. With one tenant (no keys file) the gate never refuses: the queue's own bound
+answers 429 (``queue_full``) as before.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ class TenantGate:
         share = math.ceil(self.capacity * tenant.policy.queue_share / max(total_shares, tenant.policy.queue_share))
         return min(share, tenant.policy.max_concurrent)
 
-    def enter(self, tenant: Tenant, total_shares: int, retry_after: Callable[[int], int]) -> Place:
+    def enter(self, tenant: Tenant, total_shares: int | None, retry_after: Callable[[int], int]) -> Place:
         """A place for one request of ``tenant``, or a 429 when its share is in use
-        (``retry_after(n)``: the seconds to suggest with ``n`` requests ahead)."""
-        limit, held = self.limit(tenant, total_shares), self.in_flight[tenant.name]
-        if held >= limit:
+        (``total_shares`` None: one tenant, never refused; ``retry_after(n)``: the
+        seconds to suggest with ``n`` requests ahead)."""
+        held = self.in_flight[tenant.name]
+        limit = None if total_shares is None else self.limit(tenant, total_shares)
+        if limit is not None and held >= limit:
             raise ApiError(429, f"this API key's tenant has {held} requests in flight, its limit on this server "
                                 f"({limit}); retry when one has finished", kind="rate_limit_error",
                            code="tenant_limit", headers={"retry-after": str(retry_after(held))})
@@ -88,7 +91,7 @@ class Access:
             config.shared_prefix_tokens)
         self.only_tenant = single_tenant()
         self.debug_headers = config.debug_headers
-        self.gate = TenantGate(config.decoder_replicas * config.max_batch + config.max_queued_requests)
+        self.gate = TenantGate(config.places())
         self.retry_after = retry_after
 
     def authorize(self, request) -> Tenant:
@@ -112,7 +115,7 @@ class Access:
 
     def enter(self, tenant: Tenant) -> Place:
         """The tenant's place for one generation request (a 429 beyond its share)."""
-        total = 1 if self.tenants is None else sum(t.policy.queue_share for t in self.tenants.tenants.values())
+        total = None if self.tenants is None else sum(t.policy.queue_share for t in self.tenants.tenants.values())
         return self.gate.enter(tenant, total, self.retry_after)
 
 

@@ -26,7 +26,7 @@ def decoder_options(config: AppConfig) -> dict[str, Any]:
     full batch of ongoing requests per replica."""
     options: dict[str, Any] = {
         "request_router_config": request_router_config(config.routing),
-        "max_ongoing_requests": config.max_batch + max(4, config.max_batch // 4),
+        "max_ongoing_requests": config.replica_places(),
         "max_queued_requests": config.max_queued_requests,
         "ray_actor_options": {"num_cpus": 1, "resources": dict(config.decoder_resources)},
         **health_options(config.decoder_parallel),
