@@ -22,6 +22,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from starlette.responses import StreamingResponse
+
 from cluster.serving.tenants import OWNER, Tenant, Tenants, load_secret, single_tenant
 from cluster.serving.validation import ApiError
 
@@ -37,14 +39,21 @@ class Place:
             self.left = True
             self._gate.release(self.tenant)
 
-    async def until_done(self, chunks: AsyncIterator) -> AsyncIterator:
-        """A streamed answer's chunks; the place is given back when the stream ends
-        (finished, failed, or its client gone)."""
+
+class PlacedStream(StreamingResponse):
+    """A streamed answer that gives its request's place back when the response has been
+    sent, however that ends (finished, failed, or its client gone before the first byte:
+    a body iterator never started would never run a ``finally``)."""
+
+    def __init__(self, place: Place, content: AsyncIterator, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.place = place
+
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            async for chunk in chunks:
-                yield chunk
+            await super().__call__(scope, receive, send)
         finally:
-            self.leave()
+            self.place.leave()
 
 
 class TenantGate:

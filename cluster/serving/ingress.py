@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.background import BackgroundTask
 
@@ -32,7 +32,7 @@ from actors.events import Token
 from actors.replica import ModelIdentity, node_id, prompt_gil_handoff
 from actors.store import node_store, peer_store
 from cluster.serving.adapter import Adapter, Exchange, Model, Totals
-from cluster.serving.admission import Access, Place
+from cluster.serving.admission import Access, Place, PlacedStream
 from cluster.serving.answers import Answer
 from cluster.serving.conversations_adapter import Conversations
 from cluster.serving.dispatcher import ClientGone, Dispatcher, generation_failed
@@ -225,7 +225,7 @@ class Router:
         except BaseException:
             place.leave()
             raise
-        if not isinstance(response, StreamingResponse):
+        if not isinstance(response, PlacedStream):  # (a stream gives its place back once sent)
             place.leave()
         return response
 
@@ -254,9 +254,8 @@ class Router:
             # Its Server-Timing covers the trip to the first token (the headers go out with it).
             to_first = {**marks, **first.admission.timeline, "first_token": time.time()}
             headers["server-timing"] = server_timing(to_first, first.admission.replica_s, first.admission.prefilled_by)
-            return StreamingResponse(place.until_done(adapter.stream(exchange, answers)),
-                                     media_type="text/event-stream",
-                                     headers=self.access.shown(headers, tenant))
+            return PlacedStream(place, adapter.stream(exchange, answers), media_type="text/event-stream",
+                                headers=self.access.shown(headers, tenant))
         return await self._answer_whole(adapter, exchange, answers, marks, headers, tenant)
 
     def _refuse(self, endpoint: str, marks: dict, error: ApiError) -> JSONResponse:

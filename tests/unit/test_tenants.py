@@ -184,3 +184,39 @@ def test_the_app_may_show_every_tenant_the_debug_headers(tmp_path):
     with pytest.raises(ApiError) as refused:
         quiet.authorize(SimpleNamespace(headers={}))
     assert refused.value.status == 401
+
+
+@pytest.mark.parametrize("client", ["reads it all", "gone before the first byte"])
+def test_a_streamed_answer_gives_its_place_back_however_it_ends(client, tmp_path):
+    """A place leaks only if nothing gives it back: a stream whose client left before
+    its headers went out never starts its body, so the response itself gives it back."""
+    import asyncio
+
+    from cluster.serving.admission import PlacedStream
+
+    gate = TenantGate(capacity=4)
+    place = gate.enter(single_tenant(), None, lambda n: 1)
+
+    async def chunks():
+        yield b"data: 1\n\n"
+
+    async def send(message):
+        if client != "reads it all":
+            raise OSError("the client is gone")
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def serve():
+        response = PlacedStream(place, chunks(), media_type="text/event-stream")
+        await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    assert gate.in_flight[""] == 1
+    if client == "reads it all":
+        asyncio.run(serve())
+    else:
+        from starlette.requests import ClientDisconnect
+
+        with pytest.raises(ClientDisconnect):  # (what Starlette makes of a send that fails)
+            asyncio.run(serve())
+    assert gate.in_flight[""] == 0
