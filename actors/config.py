@@ -64,6 +64,9 @@ class AppConfig(BaseModel):
     decoder_max_replicas: PositiveInt | None = None  # set: Serve autoscales the decoders up to this many
     prefill_resources: dict[str, float] = Field(default_factory=dict)  # Ray custom resources per replica
     decoder_resources: dict[str, float] = Field(default_factory=dict)
+    # Where the router (which listens for HTTP itself) runs: the node clients call. None:
+    # anywhere Ray places it; `v41 serve --address` pins it to its own node.
+    router_resources: dict[str, float] = Field(default_factory=dict)
     max_batch: PositiveInt = 16
     # Requests beyond every decoder batch's places wait at the router, in arrival order;
     # beyond this many waiting, a request is answered 429 with Retry-After.

@@ -62,4 +62,5 @@ def build_app(args: dict[str, Any] | None = None):
         **health_options(config.prefill_parallel), **STOPPING,
     ).bind(config)
     decoder = DecoderPool.options(**decoder_options(config), **STOPPING).bind(config)
-    return Router.options(ray_actor_options={"num_cpus": 0}, **STOPPING).bind(config, prefill, decoder)
+    router_actor = {"num_cpus": 0, "resources": dict(config.router_resources)}
+    return Router.options(ray_actor_options=router_actor, **STOPPING).bind(config, prefill, decoder)

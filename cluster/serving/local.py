@@ -100,6 +100,8 @@ def local_app(app_args: dict, host: str = "127.0.0.1", port: int = 8000, object_
                          include_dashboard=False, log_to_driver=False)
             else:
                 ray.init(address=address, namespace="v41", log_to_driver=False)
+                if not app_args.get("router_resources"):  # clients call this node: the router listens here
+                    app_args = {**app_args, "router_resources": {f"node:{ray.util.get_node_ip_address()}": 0.001}}
         if on_ray_started is not None:
             on_ray_started()
         serve.start(http_options={"host": host, "port": free_port(host)})  # Serve's proxy: unused
