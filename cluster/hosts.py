@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "v41h-"
-RUNS = Path(tempfile.gettempdir()) / "v41-hosts"  # each run's folders: RUNS/v41h-R
+RUNS = Path(tempfile.gettempdir()) / "v41-hosts"  # each run's folders: RUNS/v41h-R (0700, root's own)
 MARK = ".v41-hosts-run"  # the file that says a run folder is the harness's
 
 
@@ -136,7 +136,11 @@ class Hosts:
         self.close()
 
     def _make(self) -> None:
-        RUNS.mkdir(mode=0o700, exist_ok=True)
+        from storage.private import make_private_dirs
+        from storage.slots import check_private
+
+        make_private_dirs(RUNS)
+        check_private(RUNS)  # (a shared temp folder: one another user made first is refused)
         self.folder.mkdir(mode=0o700)
         (self.folder / MARK).write_text("made by cluster.hosts; deleted by its clean()\n")
         _ip("netns", "add", self.switch)
