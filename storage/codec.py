@@ -5,7 +5,8 @@ Byte layout (little-endian), an 80-byte header followed by the payload:
     offset  size  field
          0     4  magic b"V41K"
          4     2  format version (3)
-         6     1  kind (1 chunk, 2 window, 3 response, 4 conversation)
+         6     1  kind (storage.keys.Kind: 1 chunk, 2 window, 3 response, 4 conversation,
+                  5-8 chunks and window states kept 24 h or in RAM only)
          7     1  flags (0)
          8    16  model fingerprint
         24    32  key digest (binds the bytes to their name: a swapped file is caught)

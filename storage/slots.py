@@ -86,6 +86,11 @@ def default_ssd_dir() -> str:
     return slots_template(cache_home())
 
 
+def default_secret_file() -> Path:
+    """Where the cluster's secret is made when none is named (`v41 serve`'s, the router's)."""
+    return cache_home() / "cache-secret"
+
+
 # -- private folders and files ----------------------------------------------------------
 
 

@@ -185,24 +185,22 @@ def app_arguments(args: argparse.Namespace) -> dict:
     if args.image_dir is not None:
         app_args["image_dir"] = str(args.image_dir.resolve())
     keys = {"api_key", "api_key_file", "api_keys_file"}
-    if args.api_keys is not None:
-        app_args = {name: value for name, value in app_args.items() if name not in keys}
-        app_args["api_keys_file"] = str(args.api_keys.resolve())
-    elif args.api_key_file is not None:
-        app_args = {name: value for name, value in app_args.items() if name not in keys}
-        app_args["api_key_file"] = str(args.api_key_file.resolve())
-    elif os.environ.get(API_KEY_ENV):
-        app_args = {name: value for name, value in app_args.items() if name not in keys}
-        app_args["api_key"] = os.environ[API_KEY_ENV]
+    # The first key source given replaces whichever the config names.
+    given = (("api_keys_file", args.api_keys and str(args.api_keys.resolve())),
+             ("api_key_file", args.api_key_file and str(args.api_key_file.resolve())),
+             ("api_key", os.environ.get(API_KEY_ENV)))
+    for name, value in given:
+        if value:
+            app_args = {key: v for key, v in app_args.items() if key not in keys} | {name: value}
+            break
     if args.cache_secret_file is not None:
         app_args["cache_secret_file"] = str(args.cache_secret_file.resolve())
     elif not app_args.get("cache_secret_file"):
         from storage.private import own_secret
-        from storage.slots import cache_home
+        from storage.slots import default_secret_file
 
-        path = cache_home() / "cache-secret"
-        own_secret(path)  # (made here once, 0600: the stores and the router read it)
-        app_args["cache_secret_file"] = str(path)
+        own_secret(default_secret_file())  # (made here once, 0600: the stores and the router read it)
+        app_args["cache_secret_file"] = str(default_secret_file())
     if not is_loopback(args.host) and not any(app_args.get(name) for name in keys) and not args.insecure_no_auth:
         raise UserError(f"--host {args.host} serves beyond this machine, and no API key is set: give --api-keys FILE "
                         f"or --api-key-file FILE (or export {API_KEY_ENV}), or say --insecure-no-auth")

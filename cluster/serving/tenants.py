@@ -42,7 +42,6 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.serving.validation import Retention
-
 from storage.keys import CacheRetention, KeyScope
 from storage.private import own_secret, read_secret
 
@@ -148,9 +147,9 @@ def load_secret(path: Path | None) -> bytes:
     folder, never replaced)."""
     if path is not None:
         return read_secret(path)
-    from storage.slots import cache_home
+    from storage.slots import default_secret_file
 
-    return own_secret(cache_home() / "cache-secret")
+    return own_secret(default_secret_file())
 
 
 class Tenants:
