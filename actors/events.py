@@ -19,6 +19,7 @@ them; the router (:mod:`cluster.serving.answers`, :mod:`cluster.serving.planner`
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass
 
@@ -103,24 +104,52 @@ class Tokens:
     tokens: tuple[Token, ...]
 
 
+class HostLost(Exception):
+    """The host of the replica a stream came from was lost or cut off (the router's
+    :class:`cluster.serving.liveness.NodeLiveness` says so, long before Ray would)."""
+
+
 class TokenStream:
     """A decoder replica's stream (Serve's response generator) read one event at a
-    time: each :class:`Token` of the :class:`Tokens` items, then :class:`Stored`."""
+    time: each :class:`Token` of the :class:`Tokens` items, then :class:`Stored`.
+    :meth:`lose` ends it with :class:`HostLost`, also while a read waits."""
 
     def __init__(self, stream):
         self.stream = stream
         self._held: deque[Token] = deque()
+        self._lost: str | None = None
+        self._reader: asyncio.Task | None = None  # the task waiting for the next item
 
     def __aiter__(self) -> TokenStream:
         return self
 
     async def __anext__(self) -> Token | Stored:
+        if self._lost is not None:
+            raise HostLost(self._lost)
         if not self._held:
-            item = await self.stream.__anext__()
+            self._reader = asyncio.current_task()
+            try:
+                item = await self.stream.__anext__()
+            except BaseException:
+                if self._lost is None:
+                    raise
+                if self._reader.cancelling():
+                    self._reader.uncancel()  # (cancelled by lose(), not by its caller)
+                raise HostLost(self._lost) from None
+            finally:
+                self._reader = None
             if not isinstance(item, Tokens):
                 return item
             self._held.extend(item.tokens)
         return self._held.popleft()
 
     def cancel(self) -> None:
+        self.stream.cancel()
+
+    def lose(self, why: str) -> None:
+        """The replica's host is gone: a waiting read, and every later one, raises
+        :class:`HostLost`; the call is cancelled (best effort: its host may not hear)."""
+        self._lost = why
+        if self._reader is not None:
+            self._reader.cancel()
         self.stream.cancel()

@@ -60,17 +60,21 @@ def namespaces() -> list[str]:
     return sorted(line.split()[0] for line in listed if line.startswith(PREFIX))
 
 
+def kill_all(namespace: str) -> None:
+    """SIGKILL every process inside ``namespace``."""
+    for pid in _ip("netns", "pids", namespace, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def clean(run: str | None = None) -> list[str]:
     """Kill every process in the harness's namespaces (``run``'s only, or every run's),
     delete them and their runs' folders; returns the namespaces deleted."""
     wanted = [ns for ns in namespaces() if run is None or ns.startswith(f"{run}-")]
     for ns in wanted:
-        pids = _ip("netns", "pids", ns, check=False).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        kill_all(ns)
     for ns in wanted:
         _ip("netns", "del", ns, check=False)
     if RUNS.is_dir():
@@ -172,6 +176,10 @@ class Hosts:
 
     def heal(self, host: Host) -> None:
         _ip("-n", self.switch, "link", "set", f"p{host.index}", "up")
+
+    def kill(self, host: Host) -> None:
+        """Kill every process running inside ``host`` (its namespace stays)."""
+        kill_all(host.namespace)
 
     def start(self, host: Host, command: list[str], **popen) -> subprocess.Popen:
         """Start ``command`` inside ``host`` (killed by :meth:`close` with the rest)."""

@@ -108,6 +108,32 @@ class RedisIndex:
 
         return self._link.run(write)
 
+    def forget_node(self, node_id: str, batch: int = 1000) -> int | None:
+        """Drop every copy the index lists on ``node_id`` (a dead node: its RAM is gone,
+        and a host that rejoins is a new node that publishes what its disk kept): the
+        number of entries dropped, or None when Redis is unreachable. One SCAN over the
+        index, a pipelined ZREM per ``batch`` keys."""
+        members = [Location(node_id, tier).member for tier in TierName if tier is not TierName.REDIS]
+
+        def drop(client: redis.Redis) -> int:
+            dropped = 0
+            names = []
+            for name in client.scan_iter(match=self._link.key("loc", "*"), count=batch):
+                names.append(name)
+                if len(names) == batch:
+                    dropped += self._zrem(client, names, members)
+                    names = []
+            return dropped + self._zrem(client, names, members)
+
+        return self._link.run(drop)
+
+    @staticmethod
+    def _zrem(client: redis.Redis, names: list, members: list[str]) -> int:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.zrem(name, *members)
+        return sum(pipe.execute()) if names else 0
+
     def locate(self, keys: Sequence[ObjectKey], now: float) -> list[tuple[Location, ...]] | None:
         """The live copies of each key, in order; None when Redis is unreachable."""
         def read(client: redis.Redis) -> list[list[bytes]]:

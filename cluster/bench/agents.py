@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=90.0, help="workload time per policy")
     parser.add_argument("--policies", default="affinity,pow2,round_robin")
     parser.add_argument("--raylets", type=int, default=2, help="raylets on this machine (replicas per pool)")
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="run across this many namespace hosts (root), each a prefill and a decoder place, "
+                             "instead of raylets sharing this machine's address (cluster/hosts.py)")
+    parser.add_argument("--link-gbit", default="1", help="with --hosts: each link's bandwidth, a list for several runs")
     parser.add_argument("--depth", type=int, default=17000, help="a session stops past this many tokens")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--speculation", choices=("scheduled", "fixed", "off"), default="off")
@@ -233,13 +237,24 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for policy in policies:
         AppConfig.from_args({"model": str(model), "routing": policy})  # a mistake is one line, before anything starts
+    name = AppConfig.from_args({"model": str(model)}).model_name
+    if args.hosts:
+        from cluster import hosts
+        from cluster.bench import agents_hosts
+
+        if hosts.available() is not None:
+            raise UserError(f"--hosts: {hosts.available()}")
+
+        summary = agents_hosts.report(args, model, agents_hosts.run(args, model, name, policies))
+        if args.json:
+            print(json.dumps(summary))
+        return 0
     port = free_port()
     use_serve_environment(port)  # before the raylets start: every Ray process runs with it
     places = {"prefill_host": 1, "decoder_host": 1}
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 3, "resources": places, "object_store_memory": 256 << 20, "include_dashboard": False})
     cache_root = tempfile.mkdtemp(prefix="v41-bench-agents-")
-    name = AppConfig.from_args({"model": str(model)}).model_name
     results = {}
     try:
         for _ in range(args.raylets - 1):
@@ -260,12 +275,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         cluster.shutdown()
         shutil.rmtree(cache_root, ignore_errors=True)
-    _print(model, args, results)
+    summary = summarise(model, args, results, f"{args.raylets} raylets")
+    if args.json:
+        print(json.dumps(summary))
     return 0
 
 
-def _print(model: Path, args, results: dict) -> None:
-    print(f"v41 bench agents: {model}, {args.sessions} sessions, {args.raylets} raylets x (1 prefill + 1 decoder), "
+def summarise(model: Path, args, results: dict, where: str) -> dict:
+    """Print the policies' tables (``where``: the cluster, in words); return the JSON summary."""
+    print(f"v41 bench agents: {model}, {args.sessions} sessions, {where} x (1 prefill + 1 decoder), "
           f"{args.seconds:.0f} s per policy")
     print(f"{'policy':<12} {'turns':>6} {'failed':>6} {'immediate cached':>16} {'returning cached':>16} "
           f"{'re-prefilled':>12} {'resident':>8} {'TTFT p50 ms':>11} {'queue p50':>9} {'answer p50':>10} "
@@ -293,5 +311,4 @@ def _print(model: Path, args, results: dict) -> None:
         summary["affinity_over_pow2_ttft_p50"] = round(results["affinity"]["ttft_p50_ms"]
                                                        / results["pow2"]["ttft_p50_ms"], 3)
         print(f"\naffinity / pow2 TTFT p50 (returning turns): {summary['affinity_over_pow2_ttft_p50']:.3f}")
-    if args.json:
-        print(json.dumps(summary))
+    return summary

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from cluster.cli.step_packages import decoder_step, ready_compiled_step
-from cluster.serving.local import default_model, local_app, serve_environment
+from cluster.serving.local import default_model, cluster_environment, local_app, serve_environment
 
 API_KEY_ENV = "V41_API_KEY"
 REDIS_PASSWORD_ENV = "V41_REDIS_PASSWORD"  # the --redis-url's password, where no --redis-password-file gives it
@@ -235,7 +235,7 @@ class _Stopped(BaseException):
 
 def run(args: argparse.Namespace) -> int:
     if args.print_env:
-        for name, value in serve_environment(args.port).items():
+        for name, value in {**serve_environment(args.port), **cluster_environment()}.items():
             print(f"export {name}={value}")
         return 0
     app_args = app_arguments(args)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ray.serve.exceptions import BackPressureError
 
-from actors.events import Kept, Token, TokenStream
+from actors.events import HostLost, Kept, Token, TokenStream
 from actors.metrics import tenant_label
 from actors.state import CachePlan
 from cluster.serving.request import GenerationRequest
@@ -36,7 +36,11 @@ class ClientGone(Exception):
 
 
 def generation_failed(error: BaseException) -> ApiError:
-    """A replica died or failed under a request: a server error, nothing cached."""
+    """A replica died or failed under a request, or its host was lost: a server error,
+    nothing cached."""
+    if isinstance(error, HostLost):
+        return ApiError(503, f"generation failed: {error}; retry", kind="server_error", code="host_lost",
+                        headers={"retry-after": "1"})
     return ApiError(503, f"generation failed: {type(error).__name__}", kind="server_error")
 
 
@@ -56,8 +60,9 @@ class Dispatcher:
     client and the model's n-gram hasher (None without Engram)."""
 
     def __init__(self, config, prefill, decoder, naming, metrics, load=None, engram=None, hasher=None,
-                 image_token_id: int | None = None):
+                 image_token_id: int | None = None, liveness=None):
         self.config, self.naming, self.metrics, self.load = config, naming, metrics, load
+        self.liveness = liveness  # (cluster.serving.liveness.NodeLiveness: streams from a lost host end)
         self.engram, self.hasher, self.image_token_id = engram, hasher, image_token_id
         # How each call travels. The prefill's answer goes to the decoder by reference:
         # the handoff moves between the replicas through the object store, not through
@@ -77,6 +82,8 @@ class Dispatcher:
         ``marks["replica"]`` says which replica was chosen."""
         lookup = self._engram_lookup(tokens)
         replica, nodes = self._choose(plan, resume, marks, request.cache_group)
+        if self.liveness is not None:
+            self.liveness.start()
         decoder = self.decoder_direct if lookup is None else self.decoder  # (Engram refs travel by reference)
         if resume is not None:
             # The replica that keeps it encodes only what the conversation added, from its
@@ -135,17 +142,18 @@ class Dispatcher:
             nodes = [chosen.node] + [node for node in cache_nodes if node != chosen.node]
             self.load.started(replica)
             self.metrics.routed.inc(tags={"choice": chosen.reason})
-        marks["replica"] = replica
+        marks["replica"], marks["node"] = replica, (chosen.node if chosen is not None else None)
         return replica, nodes
 
-    async def start(self, sent: list[Sent], client) -> list[tuple[Token, object]]:
+    async def start(self, sent: list[Sent], client, marks: dict) -> list[tuple[Token, object]]:
         """(first token, stream) of each answer, once every one has its first token; an
         answer whose prefill pool failed is encoded by the decoder instead. If one
-        fails, the others are cancelled. ``client``: the HTTP request (is it still there?)."""
+        fails, the others are cancelled. ``client``: the HTTP request (is it still there?);
+        ``marks["node"]``: the node of the replica chosen (None: Serve chooses)."""
         async def start(call: Sent):
             try:
-                return await self.first_token(call.stream, client), call.stream
-            except (ApiError, ClientGone):
+                return await self.first_token(call.stream, client, node), call.stream
+            except (ApiError, ClientGone, HostLost):  # (a lost decoder host: the pool did not fail)
                 raise
             except Exception as error:  # noqa: BLE001 (a prefill replica died, or the pool failed)
                 if call.without_the_pool is None:
@@ -154,6 +162,7 @@ class Dispatcher:
                 stream = call.without_the_pool()
                 return await self.first_token(stream, client), stream
 
+        node = marks.get("node")
         tasks = [asyncio.ensure_future(start(call)) for call in sent]
         try:
             return list(await asyncio.gather(*tasks))
@@ -163,11 +172,14 @@ class Dispatcher:
                 call.stream.cancel()
             raise
 
-    async def first_token(self, stream, client) -> Token:
+    async def first_token(self, stream, client, node: str | None = None) -> Token:
         """The stream's first event (the first token), awaited before the response
         starts so that a full queue is a 429 and a failure a 503, not a broken stream.
         While the request waits for a place in a batch, a client that goes away takes
-        it out of the queue."""
+        it out of the queue. The stream ends if the host of its replica (``node``, where
+        known; the first token's node after it) is lost."""
+        if self.liveness is not None:
+            self.liveness.watch(node, stream)
         self.waiting += 1
         self.metrics.waiting.set(self.waiting)
         first = asyncio.ensure_future(stream.__anext__())
@@ -175,7 +187,10 @@ class Dispatcher:
             while True:
                 done, _ = await asyncio.wait((first,), timeout=0.5)
                 if done:
-                    return first.result()
+                    token = first.result()
+                    if self.liveness is not None and token.admission.node != node:
+                        self.liveness.watch(token.admission.node, stream)
+                    return token
                 if await client.is_disconnected():
                     first.cancel()
                     stream.cancel()

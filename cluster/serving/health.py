@@ -15,10 +15,11 @@ NO_REPLICA = "pool: no replica running"  # a /health problem line that makes it 
 
 class PartsHealth:
     """The problems of the app's parts. ``pools``: (name, Serve handle) of the prefill
-    and decoder pools; ``link``: the Redis link (None without Redis)."""
+    and decoder pools; ``link``: the Redis link (None without Redis); ``lost``: lines
+    on hosts lost or cut off (:meth:`cluster.serving.liveness.NodeLiveness.problems`)."""
 
-    def __init__(self, pools: tuple[tuple[str, object], ...], link, metrics):
-        self.pools, self.link, self.metrics = pools, link, metrics
+    def __init__(self, pools: tuple[tuple[str, object], ...], link, metrics, lost=list):
+        self.pools, self.link, self.metrics, self.lost = pools, link, metrics, lost
         self._last: tuple[float, list[str]] | None = None
         self.pools_ready = False  # every pool has had a replica running (then "starting" is over)
 
@@ -44,7 +45,7 @@ class PartsHealth:
         checks = [store_problems(), asyncio.to_thread(self._pool_problems)]
         if self.link is not None:
             checks.append(asyncio.to_thread(self._redis_problem))
-        found = [problem for problems in await asyncio.gather(*checks) for problem in problems]
+        found = [problem for problems in await asyncio.gather(*checks) for problem in problems] + self.lost()
         self._last = (time.monotonic(), found)
         self.pools_ready |= not any(NO_REPLICA in problem for problem in found)
         self.metrics.parts(redis_up=not any(p.startswith("redis") for p in found),

@@ -39,6 +39,7 @@ from cluster.serving.dispatcher import ClientGone, Dispatcher, generation_failed
 from cluster.serving.health import PartsHealth
 from cluster.serving.http_app import fastapi_app, json_error
 from cluster.serving.images import ImageLimits
+from cluster.serving.liveness import NodeLiveness
 from cluster.serving.openai_adapter import ChatAdapter, CompletionsAdapter
 from cluster.serving.planner import Planner
 from cluster.serving.prompts import Prompts
@@ -76,14 +77,19 @@ class Router:
                                ImageLimits(config.max_images_per_request, config.max_image_bytes,
                                            config.max_image_pixels, config.max_request_image_pixels, config.image_dir),
                                config.max_model_len)
-        self.planner = Planner(model.naming, index, self.metrics, config.resume_tokens)
+        # Lost hosts, known in seconds: not read from, not chosen, their streams ended.
+        liveness = NodeLiveness()
+        if index is not None:
+            liveness.on_dead = index.forget_node
+        self.planner = Planner(model.naming, index, self.metrics, config.resume_tokens, liveness.usable)
         # Under affinity it chooses the decoder replica (admissions pending per replica).
-        load = DecoderLoad(lambda: known_replicas(decoder.app_name, decoder.deployment_name)) \
+        load = DecoderLoad(lambda: liveness.live_replicas(known_replicas(decoder.app_name, decoder.deployment_name))) \
             if config.routing == "affinity" else None
         self.dispatcher = Dispatcher(config, prefill, decoder, model.naming, self.metrics, load,
-                                     *self._engram(config, model_config), image_token_id=self.prompts.image_token_id)
+                                     *self._engram(config, model_config), image_token_id=self.prompts.image_token_id,
+                                     liveness=liveness)
         self.health_of = PartsHealth((("prefill", self.dispatcher.prefill), ("decoder", self.dispatcher.decoder)),
-                                     link, self.metrics)
+                                     link, self.metrics, liveness.problems)
         self.access = Access(config, self.dispatcher.estimate_retry_after)
         # Stored responses and conversations (this node's store actor, reached at the first
         # use; the responses this router wrote lately, up to 64 MiB of JSON, in memory).
@@ -209,7 +215,7 @@ class Router:
         resume = self.planner.take_resident(tokens, windows, request.n == 1 and not images)
         sent = self.dispatcher.send(request, tokens, images, plan, resume, exchange.rid, marks)
         marks["router_sent"] = time.time()
-        return exchange, await self.dispatcher.start(sent, client)
+        return exchange, await self.dispatcher.start(sent, client, marks)
 
     async def _serve(self, client: Request, adapter: Adapter):
         """One request of a generation API, holding a place of its tenant's until its answer ends."""
@@ -248,7 +254,7 @@ class Router:
                           self.prompts.new_answer(exchange.request) if exchange.request.prompt is None else None,
                           self.prompts.tokenizer.token_bytes, self._finish_answer, start) for head, stream in started]
         headers = {"x-v41-queue-ms": f"{queued_ms:.3f}", "x-v41-moved-bytes": str(first.admission.moved_bytes),
-                   "x-v41-prefilled-by": first.admission.prefilled_by,
+                   "x-v41-prefilled-by": first.admission.prefilled_by, "x-v41-decoder-node": first.admission.node,
                    "v41-cache-retention": exchange.request.cache_retention.value}
         if exchange.request.stream:
             # Its Server-Timing covers the trip to the first token (the headers go out with it).

@@ -35,6 +35,16 @@ def serve_environment(port: int) -> dict[str, str]:
     }
 
 
+def cluster_environment() -> dict[str, str]:
+    """Ray's node health checks for a cluster of machines (`v41 serve --print-env`): the
+    control store declares a node dead after 20 failed checks 3 s apart (~60 s, not
+    Ray's ~15 s), so that a host cut off for half a minute keeps its actors and its
+    raylet rejoins when the link is back. A lost host is the router's to notice, in
+    seconds (:mod:`cluster.serving.liveness`), not Ray's."""
+    return {"RAY_health_check_period_ms": "3000", "RAY_health_check_timeout_ms": "3000",
+            "RAY_health_check_failure_threshold": "20"}
+
+
 def use_serve_environment(port: int) -> None:
     os.environ.update(serve_environment(port))
 

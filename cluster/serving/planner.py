@@ -29,10 +29,13 @@ MAX_RESIDENT = 65536  # the last answers whose kept conversations are remembered
 class Planner:
     """Plans for one router. ``naming``: the model's :class:`actors.state.StateNaming`;
     ``index``: the Redis location index (None: one node, whose store decides);
-    ``resume_tokens``: the most new tokens a kept conversation is resumed with."""
+    ``resume_tokens``: the most new tokens a kept conversation is resumed with;
+    ``usable``: the index's copies without those on lost hosts
+    (:meth:`cluster.serving.liveness.NodeLiveness.usable`)."""
 
-    def __init__(self, naming, index, metrics, resume_tokens: int):
+    def __init__(self, naming, index, metrics, resume_tokens: int, usable=lambda located: located):
         self.naming, self.index, self.metrics, self.resume_tokens = naming, index, metrics, resume_tokens
+        self.usable = usable
         # The conversations decoder replicas keep for their next turn, by name.
         self.resident: OrderedDict[ObjectKey, Kept] = OrderedDict()
         # Conversations a decoder replica is storing (their last token is out), by the
@@ -66,6 +69,7 @@ class Planner:
         located = self.index.locate(keys + [key for _, key in windows], now)
         if located is None:  # Redis away: as on one node, the prefill's own store decides
             return unlocated, windows
+        located = self.usable(located)
         found_windows = located[len(keys):]
         depth = 0
         while depth < len(keys) and located[depth]:
@@ -75,6 +79,7 @@ class Planner:
             found_windows = self.index.locate([key for _, key in windows], now)
             if found_windows is None:
                 return unlocated, windows
+            found_windows = self.usable(found_windows)
         known = tuple((window, locations) for window, locations in zip(windows, found_windows) if locations)
         nodes = _nodes([known[0][1]] if known else [], located[depth - 1] if depth else None)
         return CachePlan(tuple(tokens), depth, nodes, tuple(window for window, _ in known), named, images,

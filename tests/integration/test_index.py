@@ -91,3 +91,18 @@ def test_a_flush_is_one_round_trip_and_a_new_server_gets_everything_again(redis_
         assert index.locate(KEYS[:1], time.time()) == [(a,)]
     finally:
         publisher.close()
+
+
+def test_forget_node_drops_every_copy_of_that_node_and_no_other(redis_server: RedisServer) -> None:  # noqa: F811
+    """A dead node's copies leave the index at once, across batches of the scan; the
+    other nodes' copies, and the shared Redis tier's, stay."""
+    now = time.time()
+    index = _index(redis_server.url, f"t{time.monotonic_ns()}")
+    dead, alive, shared = (Location("dead", TierName.RAM), Location("dead", TierName.SSD)), \
+        Location("alive", TierName.SSD), Location("*", TierName.REDIS)
+    updates = [IndexUpdate(key.hex, location, now + 60) for key in KEYS for location in (*dead, alive)]
+    assert index.apply(updates + [IndexUpdate(KEYS[1].hex, shared, now + 60)], now)
+    assert index.forget_node("dead", batch=7) == 2 * len(KEYS)
+    located = index.locate(KEYS, now)
+    assert located[1] == (shared, alive) and all(copies == (alive,) for i, copies in enumerate(located) if i != 1)
+    assert index.forget_node("dead") == 0
