@@ -339,7 +339,7 @@ class DecoderPool:
             timeline = {**handoff.timeline, "admitted": admitted, "decode_out": time.time()}
             admission = Admission(handoff.cached_tokens, len(handoff.token_ids),
                                   handoff.prefill_s + self.service.last_admit_s, timeline, handoff.prefilled_by,
-                                  handoff.moved_bytes, self.node_id)
+                                  handoff.moved_bytes, self.node_id, handoff.recomputed_tokens)
             tokens: list[Token] = []
             while True:
                 storing, store = None, None

@@ -35,7 +35,8 @@ class Admission:
     was read from the cache, the replicas' own compute (prefill, replay, first sample),
     the trip's marks (Unix seconds by name: ``prefill_in``, ``decode_out``, ...), who
     encoded the prompt (``pool``, ``decoder``, ``resident``), the bytes moved between
-    nodes for it, and the decoder replica's node."""
+    nodes for it, the decoder replica's node, and the stored tokens encoded again
+    because moving them would have cost more (:mod:`actors.move_cost`)."""
 
     cached_tokens: int
     prompt_tokens: int
@@ -44,6 +45,7 @@ class Admission:
     prefilled_by: str
     moved_bytes: int
     node: str
+    recomputed_tokens: int = 0  # stored on another node, encoded again: cheaper than moving them
 
 
 @dataclass(frozen=True)

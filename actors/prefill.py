@@ -29,6 +29,7 @@ from model.runtime.inputs import DecoderInput
 from model.runtime.serialize import StateError, load_chunks, load_window, window_to_bytes
 from storage.keys import ObjectKey
 
+from .move_cost import MoveCost
 from .pool_model import ImageEncoder
 from .replica import ModelBundle, engram_rows, node_id, one_thread_executor, prefilled
 from .state import CachePlan, Handoff, StateNaming
@@ -43,20 +44,24 @@ class StoreLike(Protocol):
 
 
 class Moved:
-    """Bytes a request read from other nodes' stores (the cost of moving its cache)."""
+    """Bytes a request read from other nodes' stores (the cost of moving its cache), and
+    the objects it chose not to read from them (cheaper to encode again)."""
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.declined = 0
 
 
 def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | None, keys: list[ObjectKey],
                  nodes: tuple[str | None, ...] | list[str | None],
-                 fetched: list[bytes | None] | None = None, moved: Moved | None = None) -> list[bytes | None]:
+                 fetched: list[bytes | None] | None = None, moved: Moved | None = None,
+                 cost: MoveCost | None = None, chunk_tokens: int = 0) -> list[bytes | None]:
     """``store.get_many(keys)``, and what it misses from the stores of ``nodes`` in turn
     (node to node, never through the router), kept in ``store`` for the next turn.
     ``peers(node)`` gives a node's store, None if it has none. ``fetched``: what was
     already read for the first keys (a prefetch); only the rest is asked of ``store``.
-    ``moved`` counts the bytes read from other nodes."""
+    ``moved`` counts the bytes read from other nodes. ``cost``: reads from a node are
+    timed, and made only where moving beats encoding ``chunk_tokens`` per object again."""
     blobs = list(fetched or ())[: len(keys)]
     blobs += [None] * (len(keys) - len(blobs))
     missing = [i for i, blob in enumerate(blobs) if blob is None]
@@ -68,7 +73,16 @@ def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | No
         peer = peers(node) if missing and peers is not None and node else None
         if peer is None:
             continue
-        for i, blob in zip(missing, peer.get_many([keys[i] for i in missing])):
+        if cost is not None and not cost.worth_moving(node, len(missing), chunk_tokens):
+            if moved is not None:
+                moved.declined += len(missing)
+            continue
+        started = time.perf_counter()
+        found = peer.get_many([keys[i] for i in missing])
+        if cost is not None:
+            cost.read(node, sum(len(blob) for blob in found if blob), sum(1 for blob in found if blob),
+                      time.perf_counter() - started)
+        for i, blob in zip(missing, found):
             if blob is not None:
                 blobs[i] = blob
                 store.put(keys[i], blob)
@@ -89,6 +103,7 @@ class PrefillService:
         ``images``: the vision tower (a prefill replica of a model that reads images)."""
         self.engine, self.store, self.naming, self.node_id, self.peers = engine, store, naming, node_id, peers
         self.images = images
+        self.cost = MoveCost()  # read another node's chunks, or encode them again
 
     def prefill(self, plan: CachePlan, engram_rows: Callable[[], dict[int, torch.Tensor]] | None = None,
                 in_process: bool = False, resident: SequenceCache | None = None) -> Handoff:
@@ -124,7 +139,9 @@ class PrefillService:
         rows = None
         if engram_rows is not None:  # rows of the whole prompt: keep the new tokens'
             rows = lambda: {layer: r[cached:] for layer, r in engram_rows().items()}  # noqa: E731
+        encoding = time.perf_counter()
         fresh = self.engine.prefill(cache, tokens[cached:], engram_rows=rows, images=spans)
+        self.cost.encoded(len(tokens) - cached, time.perf_counter() - encoding)
         # Only what the decoder's replay reads travels (a bounded replay: the last window).
         inputs = self.engine.replayed(cache, replay.then(fresh) if replay is not None else fresh)
         if not in_process:
@@ -145,6 +162,8 @@ class PrefillService:
             prefix_node=self.node_id,
             prefill_s=time.perf_counter() - start,
             moved_bytes=moved.bytes,
+            recomputed_tokens=(max(0, self.naming.loadable_chunks(plan) - chunks_read) * self.naming.chunk_tokens
+                               if moved.declined else 0),
             media=plan.media,
             scope=plan.scope,
             timeline={"prefill_read": read_at},
@@ -161,7 +180,8 @@ class PrefillService:
         windows = (list(plan.windows) if plan.windows is not None
                    else self._window_candidates(tokens, usable, chunk_keys, plan))
         others = [node for node in plan.nodes if node != self.node_id]
-        blobs = read_through(self.store, self.peers, keys + [key for _, key in windows], others, moved=moved)
+        blobs = read_through(self.store, self.peers, keys + [key for _, key in windows], others, moved=moved,
+                             cost=self.cost, chunk_tokens=self.naming.chunk_tokens)
         present = itertools.takewhile(lambda blob: blob is not None, blobs[: len(keys)])
         loaded = load_chunks(cache, present, self.naming.identity)  # up to a missing or bad chunk
         if loaded and self.engine.hasher is not None:
@@ -170,7 +190,8 @@ class PrefillService:
         if loaded < usable:  # a chunk was missing or bad: the windows after it instead
             windows = self._window_candidates(tokens, loaded, chunk_keys, plan)
             blobs = [None] * len(keys) + read_through(self.store, self.peers, [key for _, key in windows], others,
-                                                      moved=moved)
+                                                      moved=moved, cost=self.cost,
+                                                      chunk_tokens=self.naming.chunk_tokens)
         return cache, loaded, self._load_window(cache, windows, blobs[len(keys):])
 
     def _window_candidates(self, tokens: list[int], chunks: int, chunk_keys: tuple[ObjectKey, ...],

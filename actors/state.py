@@ -147,6 +147,7 @@ class Handoff:
     stored_chunks: int
     prefill_s: float = 0.0  # time the prefill replica spent on it (the Serve-overhead bench)
     moved_bytes: int = 0  # bytes of its cache read from other nodes' stores (prefill and decoder)
+    recomputed_tokens: int = 0  # stored tokens encoded again: reading them from their node cost more
     replay_engram_ids: torch.Tensor | None = None  # Engram row ids of the replayed tokens (DecoderInput.engram_ids)
     chunk_keys: tuple[ObjectKey, ...] = ()
     prefix_node: str | None = None

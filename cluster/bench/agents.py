@@ -82,6 +82,7 @@ class Turn:
     queue_ms: float  # waited for a place in a decoder batch (x-v41-queue-ms)
     answer_ms: float  # sent to last token
     stages: dict  # the trip to the first token, stage by stage (ms; the router's Server-Timing)
+    recomputed: int = 0  # stored tokens encoded again: moving them from their node would have cost more
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -119,6 +120,7 @@ async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | No
             await response.read()
             return None
         moved = int(response.headers.get("x-v41-moved-bytes", 0))
+        recomputed = int(response.headers.get("x-v41-recomputed-tokens", 0))
         source = response.headers.get("x-v41-prefilled-by", "")
         queued = float(response.headers.get("x-v41-queue-ms", 0.0))
         stages, _ = parse_server_timing(response.headers.get("server-timing", ""))
@@ -130,7 +132,7 @@ async def _turn(session, url: str, model: str, agent: _Agent, args) -> Turn | No
                 answer.append(chunk["choices"][0]["delta"].get("content") or "")
     turn = Turn(usage["prompt_tokens"], 1e3 * ((first or time.perf_counter()) - sent),
                 usage["prompt_tokens_details"]["cached_tokens"], agent.reusable, agent.immediate, moved,
-                usage["completion_tokens"], source, queued, 1e3 * (time.perf_counter() - sent), stages)
+                usage["completion_tokens"], source, queued, 1e3 * (time.perf_counter() - sent), stages, recomputed)
     agent.reusable = turn.depth + turn.completion - 1
     agent.messages += [{"role": "assistant", "content": "".join(answer)},
                        {"role": "user", "content": f"tool result:\n{_text(agent.rng, agent.rng.randint(50, 500))}"}]
@@ -216,6 +218,9 @@ def _summary(turns: list, elapsed: float, hits: dict[str, int]) -> dict:
                           for name in dict.fromkeys(name for t in returning for name in t.stages)},
         "by_depth": by_depth,
         "moved_mb": round(sum(t.moved_bytes for t in done) / 1e6, 2),
+        # Returning turns whose cache was on another node: moved, or encoded again (cheaper by measured cost).
+        "turns_moved": sum(t.moved_bytes > 0 for t in returning),
+        "turns_recomputed": sum(t.recomputed > 0 for t in returning),
         "decode_tokens_per_s": round(sum(t.completion for t in done) / elapsed, 1),
         "store_hits_by_tier": hits,
     }

@@ -53,7 +53,7 @@ def link_bytes(cluster: Hosts) -> int:
 def _config(model: Path, policy: str, args) -> str:
     return (f"model: {model}\nrouting: {policy}\nprefill_replicas: {args.hosts}\ndecoder_replicas: {args.hosts}\n"
             "prefill_resources: {prefill_host: 1}\ndecoder_resources: {decoder_host: 1}\n"
-            f"speculation: {args.speculation}\nmax_model_len: {args.depth + 8192}\n"
+            f"speculation: '{args.speculation}'\nmax_model_len: {args.depth + 8192}\n"
             "ssd_dir: {run}/ssd-{node}\ncompiled_step: false\n")
 
 
@@ -100,7 +100,8 @@ def report(args, model: Path, runs: dict) -> dict:
         line = agents.summarise(model, args, results, f"{args.hosts} hosts over {gbit:g} Gbit/s links")
         for policy, row in results.items():
             print(f"{policy:<12} cache bytes read across hosts {row['bytes_moved_between_hosts'] / 1e6:.2f} MB, "
-                  f"through the links {row['link_bytes'] / 1e6:.1f} MB")
+                  f"through the links {row['link_bytes'] / 1e6:.1f} MB; returning turns whose cache was elsewhere: "
+                  f"{row['turns_moved']} moved it, {row['turns_recomputed']} encoded it again")
         first = next(iter(results.values()))
         line["bytes_moved_between_hosts"] = first["bytes_moved_between_hosts"]
         line["link_bytes"] = first["link_bytes"]

@@ -255,6 +255,7 @@ class Router:
                           self.prompts.tokenizer.token_bytes, self._finish_answer, start) for head, stream in started]
         headers = {"x-v41-queue-ms": f"{queued_ms:.3f}", "x-v41-moved-bytes": str(first.admission.moved_bytes),
                    "x-v41-prefilled-by": first.admission.prefilled_by, "x-v41-decoder-node": first.admission.node,
+                   "x-v41-recomputed-tokens": str(first.admission.recomputed_tokens),
                    "v41-cache-retention": exchange.request.cache_retention.value}
         if exchange.request.stream:
             # Its Server-Timing covers the trip to the first token (the headers go out with it).

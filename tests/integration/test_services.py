@@ -400,3 +400,55 @@ def test_a_reader_that_falls_behind_gets_the_steps_tokens_together_in_order(pool
     assert len(items[2]) > 1  # what the steps made while the reader slept
     assert pool.loop_counts.tokens >= len(tokens) - 1 and pool.loop_counts.items == len(items)
     assert pool.service.running == 0  # the closed stream left the batch
+
+
+class SlowLink:
+    """A node's store behind a link of ``rate`` bytes/s (the fault a test injects)."""
+
+    def __init__(self, store: TieredStore, rate: float) -> None:
+        self.store, self.rate = store, rate
+
+    def get_many(self, keys):
+        import time
+
+        blobs = self.store.get_many(keys)
+        time.sleep(sum(len(blob) for blob in blobs if blob) / self.rate)
+        return blobs
+
+
+@pytest.mark.parametrize("rate, moved", [(20e3, False), (1e9, True)])
+def test_a_prefix_on_another_node_is_moved_or_encoded_again_by_measured_cost(pools, golden_prompts, tmp_path,
+                                                                          rate, moved):
+    engine, store, naming = pools
+    _, prompt = _returning_handoff(engine, store, naming, golden_prompts[2][:170])
+    plan = _plan(naming, store, prompt)
+    plan = CachePlan(plan.token_ids, plan.cached_chunks, nodes=("n1",))
+    cost, handoffs = None, []
+    for attempt in range(2):  # the first read from n1 measures the link; the second decides by it
+        here = TieredStore(StoreConfig(node_id="n2", ssd_dir=tmp_path / f"n2-{rate}-{attempt}",
+                                       retention=RetentionPolicy(ram_capacity_bytes=64 << 20)),
+                           Fingerprint(naming.identity.model))
+        try:
+            service = PrefillService(engine, here, naming, node_id="n2", peers={"n1": SlowLink(store, rate)}.get)
+            service.cost = cost or service.cost
+            cost = service.cost
+            handoffs.append(service.prefill(plan))
+        finally:
+            here.close()
+    first, second = handoffs
+    assert first.cached_tokens > 0 and first.moved_bytes > 0 and first.recomputed_tokens == 0
+    move_s, encode_s = cost.estimate("n1", plan.cached_chunks, CHUNK)
+    assert (move_s <= encode_s) == moved
+    if moved:
+        assert second.cached_tokens == first.cached_tokens and second.recomputed_tokens == 0
+        assert cost.choices == {"moved": 2}
+    else:  # nothing read across the slow link: every stored chunk encoded again, the same tokens
+        assert second.cached_tokens == 0 and second.moved_bytes == 0
+        assert second.recomputed_tokens == naming.loadable_chunks(plan) * CHUNK
+        assert cost.choices["moved"] == 1 and cost.choices["recomputed"] >= 1  # (chunks, then the windows)
+    decoder = DecoderService(engine, store, naming)
+    events = [decoder.admit("r", second, SamplingParams(temperature=0.0, max_tokens=6))]
+    while decoder.running:
+        events += decoder.step()
+    assert [e.token_id for e in events] == _greedy_tokens(Engine(engine.model, engine.hasher, bounded_replay=False),
+                                                          prompt, 6)
