@@ -35,12 +35,23 @@ class MoveCost:
         self.encode_s_per_token: float | None = None
         self.choices: Counter = Counter()
 
-    def read(self, node: str, nbytes: int, chunks: int, seconds: float) -> None:
-        """A read of ``chunks`` objects, ``nbytes`` in all, from ``node``'s store took ``seconds``."""
-        if nbytes <= 0 or seconds <= 0:
+    def read(self, node: str, nbytes: int, chunks: int, seconds: float, asked: int = 0) -> None:
+        """A read of ``asked`` objects from ``node``'s store took ``seconds`` and brought
+        ``chunks`` of them, ``nbytes`` in all. One that brought nothing after a second or
+        more (it timed out: the link is that slow) counts as at most the bytes asked."""
+        if seconds <= 0:
+            return
+        if nbytes <= 0:
+            if asked and self.chunk_bytes is not None and seconds >= 1.0:
+                self.throughput[node] = _blend(self.throughput.get(node), asked * self.chunk_bytes / seconds)
             return
         self.throughput[node] = _blend(self.throughput.get(node), nbytes / seconds)
-        self.chunk_bytes = _blend(self.chunk_bytes, nbytes / max(1, chunks))
+        self.sized(nbytes, chunks)
+
+    def sized(self, nbytes: int, chunks: int) -> None:
+        """``chunks`` stored chunks took ``nbytes`` (read from any store, this node's too)."""
+        if nbytes > 0 and chunks > 0:
+            self.chunk_bytes = _blend(self.chunk_bytes, nbytes / chunks)
 
     def encoded(self, tokens: int, seconds: float) -> None:
         """The engine encoded ``tokens`` new tokens in ``seconds``."""

@@ -68,6 +68,8 @@ def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | No
     if missing:
         for i, blob in zip(missing, store.get_many([keys[i] for i in missing])):
             blobs[i] = blob
+        if cost is not None:
+            cost.sized(sum(len(blobs[i]) for i in missing if blobs[i]), sum(1 for i in missing if blobs[i]))
         missing = [i for i in missing if blobs[i] is None]
     for node in nodes:
         peer = peers(node) if missing and peers is not None and node else None
@@ -81,7 +83,7 @@ def read_through(store: StoreLike, peers: Callable[[str], StoreLike | None] | No
         found = peer.get_many([keys[i] for i in missing])
         if cost is not None:
             cost.read(node, sum(len(blob) for blob in found if blob), sum(1 for blob in found if blob),
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, asked=len(missing))
         for i, blob in zip(missing, found):
             if blob is not None:
                 blobs[i] = blob

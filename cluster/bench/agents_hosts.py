@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.bench import agents
+from cluster.bench import agent_workload
 from cluster.hosts import Hosts
 from cluster.hosts_app import HostsApp
 
@@ -29,10 +29,10 @@ import argparse, asyncio, json, sys
 from dataclasses import asdict
 import ray
 from actors.store import tier_totals
-from cluster.bench import agents
+from cluster.bench import agent_workload
 url, model, head = sys.argv[1], sys.argv[2], sys.argv[3]
 args = argparse.Namespace(**json.loads(sys.argv[4]))
-turns, elapsed = asyncio.run(agents._workload(url, model, args))
+turns, elapsed = asyncio.run(agent_workload.run_workload(url, model, args))
 ray.init(address=head, logging_level="ERROR")
 hits = {tier: row["hits"] for tier, row in tier_totals().items()}
 print(json.dumps({"turns": [None if t is None else asdict(t) for t in turns], "elapsed": elapsed, "hits": hits}))
@@ -74,8 +74,8 @@ def _one(model: Path, name: str, policy: str, gbit: float, args) -> dict:
         finally:
             app.stop()
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    turns = [None if t is None else agents.Turn(**t) for t in out["turns"]]
-    summary = agents._summary(turns, out["elapsed"], out["hits"])
+    turns = [None if t is None else agent_workload.Turn(**t) for t in out["turns"]]
+    summary = agent_workload.turn_summary(turns, out["elapsed"], out["hits"])
     summary["bytes_moved_between_hosts"] = sum(t.moved_bytes for t in turns if t is not None)
     summary["link_bytes"] = crossed
     return summary
@@ -97,7 +97,7 @@ def report(args, model: Path, runs: dict) -> dict:
     summary: dict = {"hosts": args.hosts, "links": {}}
     for gbit, results in runs.items():
         print(f"\n== {args.hosts} hosts, links of {gbit:g} Gbit/s ==")
-        line = agents.summarise(model, args, results, f"{args.hosts} hosts over {gbit:g} Gbit/s links")
+        line = agent_workload.print_tables(model, args, results, f"{args.hosts} hosts over {gbit:g} Gbit/s links")
         for policy, row in results.items():
             print(f"{policy:<12} cache bytes read across hosts {row['bytes_moved_between_hosts'] / 1e6:.2f} MB, "
                   f"through the links {row['link_bytes'] / 1e6:.1f} MB; returning turns whose cache was elsewhere: "

@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tokens", type=int, default=3072, help="prompt of the prefill comparison (default 3072)")
     parser.add_argument("--reps", type=int, default=9, help="timed prefills of each side, alternating (default 9)")
     parser.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")
+    parser.add_argument("--hosts", type=int, default=0, choices=(0, 2),
+                        help="2: the shards on an Engram host of their own across a shaped link, this bench on "
+                             "a head host (namespace hosts, root: cluster/hosts.py)")
+    parser.add_argument("--link-gbit", type=float, default=1.0, help="with --hosts: the link's bandwidth")
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
     from cluster import UserError
     from model.runtime.engine import Engine
 
+    if args.hosts:
+        return _across_hosts(args)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError:
@@ -281,6 +287,44 @@ def run(args: argparse.Namespace) -> int:
 
     _print(args, text, tables, lookups, prefill, copy_gb_s, threads)
     return 0 if prefill["identical"] else 1
+
+
+def _across_hosts(args: argparse.Namespace) -> int:
+    """This bench run inside a head host of namespace hosts (the Ray head), its shards
+    on an Engram host (``engram_host`` resources) across a link of ``--link-gbit``:
+    every row the prefill reads crosses it. The JSON gains ``hosts`` and ``link_gbit``."""
+    import os
+    import subprocess
+
+    from cluster import UserError, hosts
+    from cluster.hosts import Hosts
+
+    if hosts.available() is not None:
+        raise UserError(f"--hosts: {hosts.available()}")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # (a token file would be needed on every host)
+    with Hosts(1, link_gbit=args.link_gbit) as cluster:
+        head, engram = cluster.hosts
+        for host, extra in ((head, ["--head", "--port=6379", "--include-dashboard=false"]),
+                            (engram, [f"--address={head.address}:6379", "--resources",
+                                      json.dumps({"engram_host": args.shards})])):
+            subprocess.run(host.argv(["ray", "start", f"--node-ip-address={host.address}", "--num-cpus=2",
+                                      f"--temp-dir={host.folder}/ray", "--disable-usage-stats", *extra]),
+                           env=env, check=True, capture_output=True, timeout=180)
+        bench = ["v41", "bench", "engram", "--address", f"{head.address}:6379", "--config", str(args.config),
+                 "--rows", str(args.rows), "--sizes", args.sizes, "--shards", str(args.shards),
+                 "--prefill-tokens", str(args.prefill_tokens), "--reps", str(args.reps)] + (["--json"] if args.json else [])
+        done = subprocess.run(head.argv(bench), env=env, capture_output=True, text=True, timeout=3600)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode not in (0, 1) or not lines:
+        raise UserError(f"the bench on the head host failed:\n{done.stderr[-3000:]}")
+    print(f"across hosts: this bench on {head.address}, {args.shards} shard(s) on the Engram host {engram.address}, "
+          f"a {args.link_gbit:g} Gbit/s link")
+    if args.json:
+        print("\n".join(lines[:-1]))
+        print(json.dumps({**json.loads(lines[-1]), "hosts": 2, "link_gbit": args.link_gbit}))
+    else:
+        print("\n".join(lines))
+    return done.returncode
 
 
 def _print(args: argparse.Namespace, text, tables: dict, lookups: list, prefill: dict, copy_gb_s: float,

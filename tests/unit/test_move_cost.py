@@ -27,3 +27,14 @@ def test_measurements_are_running_averages_and_empty_ones_are_ignored():
     cost.encoded(0, 1.0)
     assert cost.throughput["n1"] == pytest.approx(0.7 * 100 + 0.3 * 1100)
     assert cost.chunk_bytes == pytest.approx(400) and cost.encode_s_per_token is None
+
+
+def test_a_read_that_timed_out_counts_as_at_most_the_bytes_asked():
+    cost = MoveCost()
+    cost.read("n1", 0, 0, 5.0, asked=10)  # nothing known of a chunk's size yet: no measure
+    assert "n1" not in cost.throughput
+    cost.sized(300_000, 3)  # this node's own chunks: 100 KB each
+    cost.read("n1", 0, 0, 0.2, asked=10)  # quick and empty (the store had none): not the link's speed
+    assert "n1" not in cost.throughput
+    cost.read("n1", 0, 0, 5.0, asked=10)
+    assert cost.throughput["n1"] == pytest.approx(10 * 100_000 / 5.0)
