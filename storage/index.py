@@ -108,12 +108,13 @@ class RedisIndex:
 
         return self._link.run(write)
 
-    def forget_node(self, node_id: str, batch: int = 1000) -> int | None:
-        """Drop every copy the index lists on ``node_id`` (a dead node: its RAM is gone,
+    def forget_nodes(self, node_ids: Sequence[str], batch: int = 1000) -> int | None:
+        """Drop every copy the index lists on ``node_ids`` (dead nodes: their RAM is gone,
         and a host that rejoins is a new node that publishes what its disk kept): the
         number of entries dropped, or None when Redis is unreachable. One SCAN over the
         index, a pipelined ZREM per ``batch`` keys."""
-        members = [Location(node_id, tier).member for tier in TierName if tier is not TierName.REDIS]
+        members = [Location(node_id, tier).member for node_id in node_ids for tier in TierName
+                   if tier is not TierName.REDIS]
 
         def drop(client: redis.Redis) -> int:
             dropped = 0
@@ -125,7 +126,7 @@ class RedisIndex:
                     names = []
             return dropped + self._zrem(client, names, members)
 
-        return self._link.run(drop)
+        return self._link.run(drop) if members else 0
 
     @staticmethod
     def _zrem(client: redis.Redis, names: list, members: list[str]) -> int:

@@ -80,7 +80,7 @@ class Router:
         # Lost hosts, known in seconds: not read from, not chosen, their streams ended.
         liveness = NodeLiveness()
         if index is not None:
-            liveness.on_dead = index.forget_node
+            liveness.on_dead = index.forget_nodes
         self.planner = Planner(model.naming, index, self.metrics, config.resume_tokens, liveness.usable)
         # Under affinity it chooses the decoder replica (admissions pending per replica).
         load = DecoderLoad(lambda: liveness.live_replicas(known_replicas(decoder.app_name, decoder.deployment_name))) \

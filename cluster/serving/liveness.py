@@ -72,7 +72,8 @@ class NodeLiveness:
         self.period_s, self.timeout_s, self.misses, self.refresh_s = period_s, timeout_s, misses, refresh_s
         self.down: dict[str, float] = {}  # node id -> since when (time.monotonic): not answering
         self.dead: set[str] = set()  # nodes Ray has declared dead (they never come back: a rejoined host is a new node)
-        self.on_dead: Callable[[str], None] | None = None  # told once per dead node (the index drops its copies)
+        # Told of the nodes found dead in a round, once each (the index drops their copies).
+        self.on_dead: Callable[[list[str]], None] | None = None
         self._failed: dict[str, int] = {}
         self._streams: dict[str, weakref.WeakSet] = {}
         self._known: list[NodeAddress] = []
@@ -100,8 +101,14 @@ class NodeLiveness:
             self._known = await asyncio.to_thread(self.nodes)
             self._listed = now
         alive = [node for node in self._known if node.alive]
+        asked = time.monotonic()
         results = await asyncio.gather(*(self.probe(node, self.timeout_s) for node in alive))
+        # A round that took well past the timeout means this event loop was held up (a
+        # busy router), not that the hosts were: its failures are not counted.
+        late = time.monotonic() - asked > 1.5 * self.timeout_s
         for node, ok in zip(alive, results):
+            if not ok and late:
+                continue
             self._failed[node.node_id] = 0 if ok else self._failed.get(node.node_id, 0) + 1
             if ok and self.down.pop(node.node_id, None) is not None:
                 logger.warning("node %s answers again: its stored caches are read again", node.node_id[:12])
@@ -110,13 +117,13 @@ class NodeLiveness:
                 logger.warning("node %s (host %s) is not answering: its caches are not read, its streams end",
                                node.node_id[:12], node.host)
                 self._end_streams(node.node_id)
-        for node in self._known:
-            if not node.alive and node.node_id not in self.dead:
-                self.dead.add(node.node_id)
-                self.down.pop(node.node_id, None)
-                self._end_streams(node.node_id)
-                if self.on_dead is not None:
-                    await asyncio.to_thread(self.on_dead, node.node_id)
+        newly_dead = [node.node_id for node in self._known if not node.alive and node.node_id not in self.dead]
+        for node_id in newly_dead:
+            self.dead.add(node_id)
+            self.down.pop(node_id, None)
+            self._end_streams(node_id)
+        if newly_dead and self.on_dead is not None:
+            await asyncio.to_thread(self.on_dead, newly_dead)
 
     def excluded(self, node_id: str) -> bool:
         return node_id in self.down or node_id in self.dead

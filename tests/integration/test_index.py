@@ -93,7 +93,7 @@ def test_a_flush_is_one_round_trip_and_a_new_server_gets_everything_again(redis_
         publisher.close()
 
 
-def test_forget_node_drops_every_copy_of_that_node_and_no_other(redis_server: RedisServer) -> None:  # noqa: F811
+def test_forget_nodes_drops_every_copy_of_those_nodes_and_no_other(redis_server: RedisServer) -> None:  # noqa: F811
     """A dead node's copies leave the index at once, across batches of the scan; the
     other nodes' copies, and the shared Redis tier's, stay."""
     now = time.time()
@@ -102,7 +102,7 @@ def test_forget_node_drops_every_copy_of_that_node_and_no_other(redis_server: Re
         Location("alive", TierName.SSD), Location("*", TierName.REDIS)
     updates = [IndexUpdate(key.hex, location, now + 60) for key in KEYS for location in (*dead, alive)]
     assert index.apply(updates + [IndexUpdate(KEYS[1].hex, shared, now + 60)], now)
-    assert index.forget_node("dead", batch=7) == 2 * len(KEYS)
+    assert index.forget_nodes(["dead", "gone"], batch=7) == 2 * len(KEYS)
     located = index.locate(KEYS, now)
     assert located[1] == (shared, alive) and all(copies == (alive,) for i, copies in enumerate(located) if i != 1)
-    assert index.forget_node("dead") == 0
+    assert index.forget_nodes(["dead"]) == 0 and index.forget_nodes([]) == 0

@@ -63,7 +63,7 @@ def test_a_node_ray_declares_dead_is_excluded_for_good_and_the_index_told_once()
     liveness.on_dead = told.append
     asyncio.run(liveness.check())
     asyncio.run(liveness.check())
-    assert told == [NODES[1].node_id] and liveness.excluded(NODES[1].node_id)
+    assert told == [[NODES[1].node_id]] and liveness.excluded(NODES[1].node_id)
     assert not liveness.problems()  # (Serve's pools report a dead node's replicas)
 
 
@@ -111,3 +111,12 @@ def test_the_probe_is_a_tcp_connection():
         await server.wait_closed()
         assert not await answers(NodeAddress("n", "127.0.0.1", port, True), 1.0)
     asyncio.run(scenario())
+
+
+def test_failures_in_a_round_the_event_loop_was_late_for_are_not_counted():
+    async def late_probe(node, timeout_s):
+        await asyncio.sleep(0.2)  # (this loop held up for longer than the probes' timeout)
+        return False
+    liveness = NodeLiveness(nodes=lambda: NODES, probe=late_probe, timeout_s=0.05, misses=1)
+    asyncio.run(liveness.check())
+    assert not liveness.down
