@@ -416,7 +416,7 @@ class SlowLink:
         return blobs
 
 
-@pytest.mark.parametrize("rate, moved", [(20e3, False), (1e9, True)])
+@pytest.mark.parametrize("rate, moved", [(4e3, False), (1e9, True)])
 def test_a_prefix_on_another_node_is_moved_or_encoded_again_by_measured_cost(pools, golden_prompts, tmp_path,
                                                                           rate, moved):
     engine, store, naming = pools
@@ -436,6 +436,8 @@ def test_a_prefix_on_another_node_is_moved_or_encoded_again_by_measured_cost(poo
         finally:
             here.close()
     first, second = handoffs
+    # (4 KB/s: moving ~19 KB takes ~5 s, encoding their 160 tokens well under one even on
+    # a busy machine; a faster "slow" link let a loaded CI machine's encoding catch up)
     assert first.cached_tokens > 0 and first.moved_bytes > 0 and first.recomputed_tokens == 0
     move_s, encode_s = cost.estimate("n1", plan.cached_chunks, CHUNK)
     assert (move_s <= encode_s) == moved
