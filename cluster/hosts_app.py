@@ -6,9 +6,9 @@ operator starts on real machines: a password-protected Redis on the head's addre
 its own ``--node-ip-address``, temp folder and resources), then ``v41 serve --address``
 on the head, with the environment ``v41 serve --print-env`` prints exported on every
 host. Clients run inside a host (:meth:`HostsApp.client`) and call the head's address.
-The fault tests and ``v41 bench ... --hosts`` drive it; :meth:`HostsApp.lose` kills
-everything a host runs and takes its link away, :meth:`HostsApp.rejoin` starts a
-worker's raylet again.
+The fault tests and ``v41 bench ... --hosts`` drive it (`v41 bench engram --hosts`
+only its raylets: :meth:`HostsApp.start_raylets`); :meth:`HostsApp.lose` kills
+everything a host runs and takes its link away.
 """
 
 from __future__ import annotations
@@ -76,11 +76,7 @@ class HostsApp:
         self.cluster.start(head, ["redis-server", "--bind", head.address, "--port", str(REDIS_PORT), "--requirepass",
                                   self.password, "--save", "", "--appendonly", "no", "--dir", str(folder)],
                            stdout=subprocess.DEVNULL)
-        self.run(head, ["ray", "start", "--head", f"--node-ip-address={head.address}", f"--port={RAY_PORT}",
-                        f"--temp-dir={folder}/ray", f"--num-cpus={self.cpus}", "--disable-usage-stats",
-                        "--include-dashboard=false", "--resources", json.dumps(self.head_resources)])
-        for worker in self.cluster.workers:
-            self.join(worker)
+        self.start_raylets()
         (folder / "app.yaml").write_text(self.config.replace("{run}", str(self.cluster.folder)))
         access = ["--insecure-no-auth"]
         if self.keys is not None:
@@ -102,8 +98,18 @@ class HostsApp:
             time.sleep(1)
         return self
 
+    def start_raylets(self) -> None:
+        """`ray start --head` on the head and `ray start --address` on every worker (all
+        :meth:`start` needs of Ray; a bench without the app runs just this)."""
+        head = self.head
+        self.run(head, ["ray", "start", "--head", f"--node-ip-address={head.address}", f"--port={RAY_PORT}",
+                        f"--temp-dir={head.folder}/ray", f"--num-cpus={self.cpus}", "--disable-usage-stats",
+                        "--include-dashboard=false", "--resources", json.dumps(self.head_resources)])
+        for worker in self.cluster.workers:
+            self.join(worker)
+
     def join(self, worker: Host) -> None:
-        """`ray start --address` on ``worker`` (again, after :meth:`lose` or a partition)."""
+        """`ray start --address` on ``worker``."""
         resources = self.worker_resources[worker.index - 1] if worker.index <= len(self.worker_resources) else {}
         self.run(worker, ["ray", "start", f"--address={self.head.address}:{RAY_PORT}",
                           f"--node-ip-address={worker.address}", f"--temp-dir={worker.folder}/ray",

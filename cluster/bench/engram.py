@@ -293,27 +293,20 @@ def _across_hosts(args: argparse.Namespace) -> int:
     """This bench run inside a head host of namespace hosts (the Ray head), its shards
     on an Engram host (``engram_host`` resources) across a link of ``--link-gbit``:
     every row the prefill reads crosses it. The JSON gains ``hosts`` and ``link_gbit``."""
-    import os
-    import subprocess
-
     from cluster import UserError, hosts
     from cluster.hosts import Hosts
+    from cluster.hosts_app import RAY_PORT, HostsApp
 
     if hosts.available() is not None:
         raise UserError(f"--hosts: {hosts.available()}")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # (a token file would be needed on every host)
     with Hosts(1, link_gbit=args.link_gbit) as cluster:
         head, engram = cluster.hosts
-        for host, extra in ((head, ["--head", "--port=6379", "--include-dashboard=false"]),
-                            (engram, [f"--address={head.address}:6379", "--resources",
-                                      json.dumps({"engram_host": args.shards})])):
-            subprocess.run(host.argv(["ray", "start", f"--node-ip-address={host.address}", "--num-cpus=2",
-                                      f"--temp-dir={host.folder}/ray", "--disable-usage-stats", *extra]),
-                           env=env, check=True, capture_output=True, timeout=180)
-        bench = ["v41", "bench", "engram", "--address", f"{head.address}:6379", "--config", str(args.config),
+        raylets = HostsApp(cluster, config="", head_resources={}, worker_resources=[{"engram_host": args.shards}])
+        raylets.start_raylets()
+        bench = ["v41", "bench", "engram", "--address", f"{head.address}:{RAY_PORT}", "--config", str(args.config),
                  "--rows", str(args.rows), "--sizes", args.sizes, "--shards", str(args.shards),
                  "--prefill-tokens", str(args.prefill_tokens), "--reps", str(args.reps)] + (["--json"] if args.json else [])
-        done = subprocess.run(head.argv(bench), env=env, capture_output=True, text=True, timeout=3600)
+        done = raylets.run(head, bench, timeout=3600, check=False)
     lines = done.stdout.strip().splitlines()
     if done.returncode not in (0, 1) or not lines:
         raise UserError(f"the bench on the head host failed:\n{done.stderr[-3000:]}")

@@ -199,8 +199,9 @@ def app_arguments(args: argparse.Namespace) -> dict:
         from storage.private import own_secret
         from storage.slots import default_secret_file
 
-        own_secret(default_secret_file())  # (made here once, 0600: the stores and the router read it)
-        app_args["cache_secret_file"] = str(default_secret_file())
+        path = default_secret_file()
+        own_secret(path)  # (made here once, 0600: the stores and the router read it)
+        app_args["cache_secret_file"] = str(path)
     if not is_loopback(args.host) and not any(app_args.get(name) for name in keys) and not args.insecure_no_auth:
         raise UserError(f"--host {args.host} serves beyond this machine, and no API key is set: give --api-keys FILE "
                         f"or --api-key-file FILE (or export {API_KEY_ENV}), or say --insecure-no-auth")
