@@ -64,6 +64,11 @@ class PackedRows:
         return self._values[self._first : self._first + self.n]
 
     @property
+    def offset(self) -> int:
+        """The buffer row of row 0."""
+        return self._first
+
+    @property
     def nbytes(self) -> int:
         return self.n * self.row_bytes
 
@@ -97,6 +102,32 @@ class PackedRows:
         self._values[end : end + m] = values
         self.n += m
         return values
+
+    def tail(self, m: int) -> int:
+        """Room for ``m`` more rows; returns the buffer row where the first of them goes
+        (the caller writes them there, then :meth:`extend`)."""
+        self._reserve(self.n + m)
+        return self._first + self.n
+
+    def extend(self, m: int) -> None:
+        """Count ``m`` rows written after the last (at :meth:`tail`)."""
+        self.n += m
+
+    def adopt(self, data: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep the rows in ``data`` [C, row_bytes] and ``values`` [C, dim] from now on
+        (views of a buffer shared with other rows, :mod:`model.runtime.window_slab`):
+        the rows are copied to their start."""
+        data[: self.n], values[: self.n] = self.data, self.values
+        self._data, self._values, self._first = data, values, 0
+
+    def holds(self, values: torch.Tensor) -> bool:
+        """Whether the rows are still kept in ``values`` (what :meth:`adopt` was given:
+        an append that outgrows it moves them to a buffer of their own)."""
+        return self._values is values
+
+    def release(self) -> None:
+        """Keep the rows in a buffer of their own again (after :meth:`adopt`)."""
+        self._data, self._values, self._first = self.data.clone(), self.values.clone(), 0
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         packed = Packed(rows[..., : self.payload], rows[..., self.payload :])

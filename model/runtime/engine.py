@@ -43,6 +43,7 @@ from ..engram import NgramContext, NgramHasher
 from ..transformer import EngramRows, Tap, Transformer, engram_rows_of, run_blocks
 from .cache import SequenceCache
 from .gather import CachedKeys
+from .window_slab import WindowSlab
 from .inputs import DecoderInput, ImageSpan
 from .long_range import Rewind, Segment, pool_groups
 
@@ -78,6 +79,8 @@ class Engine:
             raise ValueError(f"restore_windows must be at least 1, not {restore_windows}")
         self.restore_windows = restore_windows
         self._ratios = {plan.index: plan.compress_ratio for plan in self.config.layer_plans()}
+        # Where the windows of sequences that step together are kept (model.runtime.window_slab).
+        self.slab = WindowSlab(self.config.num_hidden_layers, self.window, self.BATCHED_TOKENS)
         # Engram layers the decoder's replay runs: their rows come from the inputs' row ids.
         self._decoder_engram = tuple(i for i in self.config.engram_layer_ids if i >= self.decoder_start)
 
@@ -333,7 +336,7 @@ class Engine:
         """
         positions = segments[0].positions if len(segments) == 1 else torch.cat([s.positions for s in segments])
         keys = CachedKeys(self.model, self.compiled, segments, positions, self._batched(segments), self.window,
-                          self.query_chunk)
+                          self.query_chunk, self.slab)
         compiled = self.compiled is not None and image_mask is None and self.compiled.handles(streams.shape[0])
         return run_blocks([self.model.layers[i] for i in layers], streams, pre, keys, rows, image_mask, tap,
                           self.compiled if compiled else None)

@@ -23,6 +23,7 @@ from ..config import AttentionMode
 from ..transformer import Block, Transformer
 from .cache import Window
 from .long_range import Segment, pool_groups
+from .window_slab import WindowSlab
 
 
 def rows_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,8 @@ class CachedKeys:
     else per sequence (:meth:`_sequence_keys`). ``compiled`` (a
     :class:`model.runtime.compiled.CompiledBlocks`) runs the per-token work where it
     takes the step's tokens. Prefill scores the indexer's queries ``query_chunk`` at a
-    time.
+    time. ``slab``: where a batched step of several sequences keeps their windows side
+    by side (:mod:`model.runtime.window_slab`; None: each in its own buffer).
     """
 
     model: Transformer
@@ -105,6 +107,7 @@ class CachedKeys:
     batched: bool
     window: int
     query_chunk: int
+    slab: WindowSlab | None = None
     # This step's indexer picks (and, batched, the padded rows of each KV source): per
     # sequence, or one map for the whole batch when its cache reads are batched.
     picks: dict | list[dict] = field(init=False)
@@ -112,6 +115,10 @@ class CachedKeys:
 
     def __post_init__(self) -> None:
         self.picks = {} if self.batched else [{} for _ in self.segments]
+        self.counts = [s.hi - s.lo for s in self.segments]
+        if not self.batched or len(self.segments) < 2:
+            self.slab = None
+        self.slab_rows = self.slab.admit([s.cache for s in self.segments]) if self.slab is not None else []
 
     def attend(self, block: Block, x: torch.Tensor) -> torch.Tensor:
         """One layer's attention over the flat batch: x [N, D] -> [N, D]. The per-token
@@ -132,10 +139,15 @@ class CachedKeys:
             q, q_residual = attn.queries(x[None], cos, sin)
             window_bytes, window_values = windows[0].rows.encode(attn.window_raw(x[None], cos, sin)[0])
             index_query = None
-        for segment, window in zip(segments, windows):
-            window.rows.append_encoded(window_bytes[segment.lo : segment.hi], window_values[segment.lo : segment.hi])
+        seated = self.slab is not None and self.slab.seat(plan.index, windows, self.slab_rows)
+        if seated:
+            self.slab.append(plan.index, windows, self.slab_rows, self.counts, (window_bytes, window_values))
+        else:
+            for segment, window in zip(segments, windows):
+                window.rows.append_encoded(window_bytes[segment.lo : segment.hi],
+                                           window_values[segment.lo : segment.hi])
         if self.batched:
-            keys, mask = self._batch_keys(block, windows, x, q_residual, cos, sin, index_query)
+            keys, mask = self._batch_keys(block, windows, x, q_residual, cos, sin, index_query, seated)
         else:
             keys, mask = self._sequence_keys(block, windows, x, q_residual, cos, sin, index_query)
         if fast is not None:
@@ -166,8 +178,8 @@ class CachedKeys:
         return window
 
     def _batch_keys(self, block: Block, windows: list[Window], x: torch.Tensor, q_residual: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None,
+                    seated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_sequence_keys` for ``b`` sequences of at most ``n`` tokens each, in a
         fixed number of tensor ops however many sequences there are: (keys [N, T, hd],
         mask [N, T]) for the step's tokens (their :class:`Layout` in ``picks``, made
@@ -178,20 +190,23 @@ class CachedKeys:
         source (once per step, in ``picks``), are padded to the longest sequence, and
         each token reads its own sequence's rows. Padding is masked, so each query
         attends to the places the per-sequence path gives it (in another order where
-        sequences are padded: equal to float rounding)."""
+        sequences are padded: equal to float rounding). ``seated``: the windows are in
+        the step's slab, which reads them all at once."""
         plan, device, segments, positions, state = block.plan, x.device, self.segments, self.positions, self.picks
         if "layout" not in state:
             state["layout"] = Layout.of([s.hi - s.lo for s in segments], device)
         layout: Layout = state["layout"]
         firsts = [max(w.start, s.first - self.window + 1) for s, w in zip(segments, windows)]
-        views = [w.rows.values[first - w.start :] for w, first in zip(windows, firsts)]
-        window_keys = _padded(views)  # [b, Tw, hd]
-        places = torch.arange(window_keys.shape[1], device=device)
-        delta = (positions - layout.each(torch.tensor(firsts, device=device)))[:, None] - places
-        mask = (delta >= 0) & (delta < self.window)  # [N, Tw]
-        if layout.b > 1:
-            lengths = torch.tensor([v.shape[0] for v in views], device=device)
-            mask &= places < layout.each(lengths)[:, None]
+        lengths = [w.end - first for w, first in zip(windows, firsts)]
+        places = torch.arange(max(lengths), device=device)
+        if seated:
+            window_keys, spans = self.slab.read(plan.index, windows, self.slab_rows, firsts, lengths, places)
+        else:
+            window_keys = _padded([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
+            spans = torch.tensor([firsts, lengths], device=device)
+        first, length = layout.each(spans.T).unbind(1)  # [N] each: the token's sequence's
+        delta = (positions - first)[:, None] - places
+        mask = (delta >= 0) & (delta < self.window) & (places < length[:, None])  # [N, Tw]
         keys = layout.each(window_keys)  # [N, Tw, hd]
         if plan.mode is not AttentionMode.WINDOW:
             if plan.mode is AttentionMode.FULL:

@@ -303,8 +303,9 @@ def test_batched_cache_reads_equal_per_sequence_reads(which, golden_model, golde
     # The padded batch sums its attention and pools its groups in another order than
     # one sequence alone, so a cache value on an FP8/FP4 rounding boundary may round
     # the other way (on the golden checkpoint none does here; the tiny config's random
-    # weights carry such a flip to ~6e-4 in the logits on an Intel Xeon).
-    tolerance = 1e-4 if which == "golden" else 0.1
+    # weights carry such a flip to ~6e-4 in the logits on an Intel Xeon, 0.115 on an
+    # AMD EPYC). A window read one place off moves them by 0.23 (golden) and 4.8 (tiny).
+    tolerance = 1e-4 if which == "golden" else 0.5
     for a, b in zip(batched_logits, alone_logits):
         assert a.shape == b.shape and (a - b).abs().max() < tolerance
         if which == "golden":
@@ -314,17 +315,18 @@ def test_batched_cache_reads_equal_per_sequence_reads(which, golden_model, golde
         pairs = [(a.entries[s], b.entries[s]) for s in a.entries] + [(a.keys[s], b.keys[s]) for s in a.keys]
         pairs += [(wa.rows, wb.rows) for wa, wb in zip(a.windows, b.windows) if wa.start == wb.start]
         assert [w.start for w in a.windows] == [w.start for w in b.windows]
-        for rows_a, rows_b in pairs:
-            _agree_but_for_rounding_flips(rows_a.values, rows_b.values)
+        for rows_a, rows_b in pairs:  # (a flip carries on to later rows: on an AMD EPYC 5 of tiny's 32)
+            _agree_but_for_rounding_flips(rows_a.values, rows_b.values, 0.15 if which == "golden" else 1.0)
         for source in a.pending:
             assert a.pending[source].shape == b.pending[source].shape
             assert torch.allclose(a.pending[source], b.pending[source], atol=tolerance, rtol=0)
 
 
-def _agree_but_for_rounding_flips(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Cache rows equal but for a few rows off by at most two codes at the row's scale."""
+def _agree_but_for_rounding_flips(a: torch.Tensor, b: torch.Tensor, share: float = 0.15) -> None:
+    """Cache rows equal but for fewer than ``share`` of the rows, off by at most two
+    codes at the row's scale."""
     assert a.shape == b.shape
     if not a.numel():
         return
-    assert ((a - b).abs().amax(-1) > 0).float().mean() < 0.15
+    assert ((a - b).abs().amax(-1) > 0).float().mean() < share
     assert ((a - b).abs() <= b.abs().amax(-1, keepdim=True) / 6 * 2).all()
