@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="prefill repetitions per path")
     parser.add_argument("--checkpoint", type=Path, default=Path("configs/small"),
                         help="the compiled-vs-eager decode runs on these trained weights")
-    parser.add_argument("--decode-steps", type=int, default=24, help="timed decode steps per round (compiled vs eager)")
+    parser.add_argument("--decode-steps", type=int, default=24,
+                        help="timed decode steps per round at each batch (compiled vs eager)")
     parser.add_argument("--rounds", type=int, default=3, help="paired rounds of compiled and eager decode")
     parser.add_argument("--no-compiled", action="store_true", help="skip the compiled-vs-eager comparison")
     parser.add_argument("--profile", action="store_true",
@@ -168,11 +169,10 @@ def _compiled_vs_eager(args: argparse.Namespace) -> dict:
     rows, out = {}, {"compiled_checkpoint": str(args.checkpoint), "compile_s": round(compile_s, 1),
                      "packages_built": len(built)}
     for batch in (1, 16):
-        steps = args.decode_steps if batch == 1 else max(4, args.decode_steps // 4)
         pairs = []
         for _ in range(args.rounds):
-            eager_rate, eager_tokens = tokens_per_s(eager, batch, steps)
-            fast_rate, fast_tokens = tokens_per_s(fast, batch, steps)
+            eager_rate, eager_tokens = tokens_per_s(eager, batch, args.decode_steps)
+            fast_rate, fast_tokens = tokens_per_s(fast, batch, args.decode_steps)
             pairs.append((eager_rate, fast_rate, eager_tokens == fast_tokens))
         ratio = statistics.median(f / e for e, f, _ in pairs)
         rows[batch] = (statistics.median(e for e, _, _ in pairs), statistics.median(f for _, f, _ in pairs), ratio,
