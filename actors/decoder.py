@@ -218,7 +218,7 @@ class DecoderPool:
         # This replica's name for the request router: a conversation it keeps is sent back here.
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.prefiller = PrefillService(bundle.engine, store, bundle.naming, self.node_id, peer_store)
-        self.executor = one_thread_executor()
+        self.executor = one_thread_executor(config.pin_engine_thread)
         self.metrics, self.prefill_metrics = DecoderMetrics(), PrefillMetrics()
         self.loop_counts = LoopStats()
         self.queues: dict[str, asyncio.Queue] = {}

@@ -231,7 +231,7 @@ class PrefillPool:
         self.bundle = bundle = ModelBundle(config, drop_decoder=True)
         self.service = PrefillService(bundle.engine, bundle.store(config), bundle.naming, node_id(), peer_store,
                                       bundle.image_encoder())
-        self.executor = one_thread_executor()
+        self.executor = one_thread_executor(config.pin_engine_thread)
         self.metrics = PrefillMetrics()
 
     def node(self) -> str:

@@ -142,10 +142,13 @@ def compiled_here(config: AppConfig, parallel: ParallelConfig) -> bool:
 class EngineThread(concurrent.futures.ThreadPoolExecutor):
     """The one thread all of a replica's model work runs on (the engine is not
     thread-safe), off the event loop; :attr:`waiting` counts the jobs queued behind the
-    one running, so that a run of decode steps can stop for an admission or a cancel."""
+    one running, so that a run of decode steps can stop for an admission or a cancel.
+    ``pin``: the thread keeps to a CPU of its own (:mod:`actors.engine_cpu`)."""
 
-    def __init__(self):
-        super().__init__(max_workers=1, thread_name_prefix="engine")
+    def __init__(self, pin: bool = False):
+        from actors.engine_cpu import keep_to_a_cpu
+
+        super().__init__(max_workers=1, thread_name_prefix="engine", initializer=keep_to_a_cpu if pin else None)
         self._lock = threading.Lock()
         self._waiting = 0
 
@@ -170,9 +173,9 @@ class EngineThread(concurrent.futures.ThreadPoolExecutor):
         return future
 
 
-def one_thread_executor() -> EngineThread:
+def one_thread_executor(pin: bool = False) -> EngineThread:
     prompt_gil_handoff()
-    return EngineThread()
+    return EngineThread(pin)
 
 
 def engram_rows(engram, metrics):
