@@ -24,17 +24,17 @@ import os
 import socket
 from pathlib import Path
 
+from storage.slots import cache_home
+
 log = logging.getLogger(__name__)
 
 _held: list[int] = []  # the claims' open files: closing one would let go of its CPU
 
 
 def claims_dir() -> Path:
-    """Where this host's claims are: the user's cache (``$XDG_CACHE_HOME``, else
-    ``~/.cache``), ``v41/engine-cpus/{host}`` (a home shared between hosts holds each
-    host's own)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "v41" / "engine-cpus" / \
-        socket.gethostname()
+    """Where this host's claims are: ``engine-cpus/{host}`` in the user's v41 cache
+    (:func:`storage.slots.cache_home`; a home shared between hosts holds each host's own)."""
+    return cache_home() / "engine-cpus" / socket.gethostname()
 
 
 def claim_cpu(folder: Path | None = None) -> int | None:

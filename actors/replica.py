@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from actors.config import AppConfig, ParallelConfig
+from actors.engine_cpu import keep_to_a_cpu
 
 
 class ModelIdentity:
@@ -146,8 +147,6 @@ class EngineThread(concurrent.futures.ThreadPoolExecutor):
     ``pin``: the thread keeps to a CPU of its own (:mod:`actors.engine_cpu`)."""
 
     def __init__(self, pin: bool = False):
-        from actors.engine_cpu import keep_to_a_cpu
-
         super().__init__(max_workers=1, thread_name_prefix="engine", initializer=keep_to_a_cpu if pin else None)
         self._lock = threading.Lock()
         self._waiting = 0
