@@ -115,7 +115,7 @@ class PackedRows:
 
     def adopt(self, data: torch.Tensor, values: torch.Tensor) -> None:
         """Keep the rows in ``data`` [C, row_bytes] and ``values`` [C, dim] from now on
-        (views of a buffer shared with other rows, :mod:`model.runtime.window_slab`):
+        (views of a buffer shared with other rows, :mod:`model.runtime.batch_slab`):
         the rows are copied to their start."""
         data[: self.n], values[: self.n] = self.data, self.values
         self._data, self._values, self._first = data, values, 0

@@ -43,7 +43,7 @@ from ..engram import NgramContext, NgramHasher
 from ..transformer import EngramRows, Tap, Transformer, engram_rows_of, run_blocks
 from .cache import SequenceCache
 from .gather import CachedKeys
-from .window_slab import WindowSlab
+from .batch_slab import BatchSlab
 from .inputs import DecoderInput, ImageSpan
 from .long_range import Rewind, Segment, pool_groups
 
@@ -79,8 +79,8 @@ class Engine:
             raise ValueError(f"restore_windows must be at least 1, not {restore_windows}")
         self.restore_windows = restore_windows
         self._ratios = {plan.index: plan.compress_ratio for plan in self.config.layer_plans()}
-        # Where the windows of sequences that step together are kept (model.runtime.window_slab).
-        self.slab = WindowSlab(self.config.num_hidden_layers, self.window, self.BATCHED_TOKENS)
+        # Where the caches of sequences that step together are kept (model.runtime.batch_slab).
+        self.slab = BatchSlab(self.window, self.BATCHED_TOKENS)
         # Engram layers the decoder's replay runs: their rows come from the inputs' row ids.
         self._decoder_engram = tuple(i for i in self.config.engram_layer_ids if i >= self.decoder_start)
 

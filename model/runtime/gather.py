@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from ..attention import attend_each, candidate_entries, select_entries
 from ..config import AttentionMode
 from ..transformer import Block, Transformer
+from .batch_slab import BatchSlab
 from .cache import Window
 from .long_range import Segment, pool_groups
-from .window_slab import WindowSlab
 
 
 def rows_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -75,11 +75,26 @@ class Layout:
             return rows[:, None].expand(self.b, self.n, *rows.shape[1:]).flatten(0, 1)
         return rows.index_select(0, self.owner)
 
-    def rows_at(self, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``table[owner[i], index[i]]`` for each token i: a table [b, E, d] per sequence
-        and an index [N, ...] -> [N, ..., d]."""
-        offsets = (self.owner * table.shape[1]).view(-1, *[1] * (index.dim() - 1))
+    def rows_at(self, table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``table[rows[i], index[i]]`` for each token i: a table [R, E, d] of rows
+        (default: one per sequence, ``rows`` = ``owner``) and an index [N, ...] -> [N, ..., d]."""
+        rows = self.owner if rows is None else rows
+        offsets = (rows * table.shape[1]).view(-1, *[1] * (index.dim() - 1))
         return rows_at(table.flatten(0, 1), index + offsets)
+
+
+@dataclass(frozen=True)
+class LongRangeRows:
+    """A KV source's long-range rows for a batched step: the ``entries`` and ``keys``
+    tables [R, E, d] (each sequence's rows padded, or the step's
+    :class:`~model.runtime.batch_slab.BatchSlab` buffers), ``row`` [N]: each token's
+    row of them, and ``scored`` [b, W, d]: each sequence's keys, W the most a sequence
+    has (the places past a sequence's own are masked by its queries' visibility)."""
+
+    entries: torch.Tensor
+    keys: torch.Tensor
+    row: torch.Tensor
+    scored: torch.Tensor
 
 
 def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -96,8 +111,8 @@ class CachedKeys:
     else per sequence (:meth:`_sequence_keys`). ``compiled`` (a
     :class:`model.runtime.compiled.CompiledBlocks`) runs the per-token work where it
     takes the step's tokens. Prefill scores the indexer's queries ``query_chunk`` at a
-    time. ``slab``: where a batched step of several sequences keeps their windows side
-    by side (:mod:`model.runtime.window_slab`; None: each in its own buffer).
+    time. ``slab``: where a batched step of several sequences keeps their caches side
+    by side (:mod:`model.runtime.batch_slab`; None: each in buffers of its own).
     """
 
     model: Transformer
@@ -107,7 +122,7 @@ class CachedKeys:
     batched: bool
     window: int
     query_chunk: int
-    slab: WindowSlab | None = None
+    slab: BatchSlab | None = None
     # This step's indexer picks (and, batched, the padded rows of each KV source): per
     # sequence, or one map for the whole batch when its cache reads are batched.
     picks: dict | list[dict] = field(init=False)
@@ -139,9 +154,10 @@ class CachedKeys:
             q, q_residual = attn.queries(x[None], cos, sin)
             window_bytes, window_values = windows[0].rows.encode(attn.window_raw(x[None], cos, sin)[0])
             index_query = None
-        seated = self.slab is not None and self.slab.seat(plan.index, windows, self.slab_rows)
+        place, window_rows = ("window", plan.index), [window.rows for window in windows]
+        seated = self.slab is not None and self.slab.seat(place, window_rows, self.slab_rows)
         if seated:
-            self.slab.append(plan.index, windows, self.slab_rows, self.counts, (window_bytes, window_values))
+            self.slab.append(place, window_rows, self.slab_rows, self.counts, (window_bytes, window_values))
         else:
             for segment, window in zip(segments, windows):
                 window.rows.append_encoded(window_bytes[segment.lo : segment.hi],
@@ -186,63 +202,97 @@ class CachedKeys:
         once per step).
 
         Each sequence's window rows that any of its queries may read are one slice of
-        its window; the slices, and the long-range entries and indexer keys of each KV
-        source (once per step, in ``picks``), are padded to the longest sequence, and
-        each token reads its own sequence's rows. Padding is masked, so each query
-        attends to the places the per-sequence path gives it (in another order where
-        sequences are padded: equal to float rounding). ``seated``: the windows are in
-        the step's slab, which reads them all at once."""
-        plan, device, segments, positions, state = block.plan, x.device, self.segments, self.positions, self.picks
+        its window; the slices are padded to the longest sequence, and each token
+        reads its own sequence's rows; so are the long-range entries and indexer keys
+        of each KV source (:class:`LongRangeRows`, once per step, in ``picks``). Padding
+        is masked, so each query attends to the places the per-sequence path gives it
+        (in another order where sequences are padded: equal to float rounding).
+        ``seated``: the windows are in the step's slab, which reads them all at once."""
+        plan, device, segments, state = block.plan, x.device, self.segments, self.picks
         if "layout" not in state:
-            state["layout"] = Layout.of([s.hi - s.lo for s in segments], device)
+            state["layout"] = Layout.of(self.counts, device)
         layout: Layout = state["layout"]
         firsts = [max(w.start, s.first - self.window + 1) for s, w in zip(segments, windows)]
         lengths = [w.end - first for w, first in zip(windows, firsts)]
-        places = torch.arange(max(lengths), device=device)
+        places, mask = self._window_mask(layout, firsts, lengths)
         if seated:
-            window_keys, spans = self.slab.read(plan.index, windows, self.slab_rows, firsts, lengths, places)
+            window_keys = self.slab.read_windows(plan.index, windows, self.slab_rows, firsts, lengths, places)
         else:
             window_keys = _padded([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
-            spans = torch.tensor([firsts, lengths], device=device)
-        first, length = layout.each(spans.T).unbind(1)  # [N] each: the token's sequence's
-        delta = (positions - first)[:, None] - places
-        mask = (delta >= 0) & (delta < self.window) & (places < length[:, None])  # [N, Tw]
         keys = layout.each(window_keys)  # [N, Tw, hd]
         if plan.mode is not AttentionMode.WINDOW:
-            if plan.mode is AttentionMode.FULL:
-                pool_groups(self.model, self.compiled, block, segments, x)
             source = plan.kv_source
+            if plan.mode is AttentionMode.FULL:
+                state["seated", source] = self._seat_long_range(source)
+                pool_groups(self.model, self.compiled, block, segments, x,
+                            self.slab if state["seated", source] else None, self.slab_rows)
             if ("rows", source) not in state:  # after the source's own layer added this step's groups
-                state["rows", source] = (_padded([s.cache.entries[source].values for s in segments]),
-                                         _padded([s.cache.keys[source].values for s in segments]))
-            entries, index_keys = state["rows", source]
+                state["rows", source] = self._long_range_rows(source, layout, state.get(("seated", source), False))
+            rows: LongRangeRows = state["rows", source]
             if plan.runs_indexer:
-                state[plan.index] = self._batch_pick(block, index_keys, x, q_residual, cos, sin, index_query)
+                state[plan.index] = self._batch_pick(block, rows, x, q_residual, cos, sin, index_query)
             index, valid = state[plan.index_source]  # [N, k]
-            keys = torch.cat((keys, layout.rows_at(entries, index)), dim=1)
+            keys = torch.cat((keys, layout.rows_at(rows.entries, index, rows.row)), dim=1)
             mask = torch.cat((mask, valid), dim=1)
         return keys, mask
 
-    def _batch_pick(self, block: Block, keys: torch.Tensor, x: torch.Tensor, q_residual: torch.Tensor,
+    def _window_mask(self, layout: Layout, firsts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window places ``arange(T)`` and each token's mask over them [N, T], for
+        windows read from position ``firsts[i]`` on, ``lengths[i]`` rows: made once a
+        step for each such span (a sequence's windows span the same positions at every
+        layer but where one was rebuilt)."""
+        key = ("window", tuple(firsts), tuple(lengths))
+        if key not in self.picks:
+            places = torch.arange(max(lengths), device=self.positions.device)
+            first, length = layout.each(torch.tensor([firsts, lengths], device=places.device).T).unbind(1)
+            delta = (self.positions - first)[:, None] - places
+            self.picks[key] = places, (delta >= 0) & (delta < self.window) & (places < length[:, None])
+        return self.picks[key]
+
+    def _seat_long_range(self, source: int) -> bool:
+        """Seat every sequence's entries and keys of KV ``source`` in the slab (before
+        its layer pools this step's groups into them); whether both are there."""
+        if self.slab is None:
+            return False
+        caches = [s.cache for s in self.segments]
+        return (self.slab.seat(("entries", source), [c.entries[source] for c in caches], self.slab_rows)
+                and self.slab.seat(("keys", source), [c.keys[source] for c in caches], self.slab_rows))
+
+    def _long_range_rows(self, source: int, layout: Layout, seated: bool) -> LongRangeRows:
+        """KV ``source``'s rows for this step: the slab's buffers where they are seated
+        there, else every sequence's rows padded."""
+        caches = [s.cache for s in self.segments]
+        if not seated:
+            entries = _padded([c.entries[source].values for c in caches])
+            keys = _padded([c.keys[source].values for c in caches])
+            return LongRangeRows(entries, keys, layout.owner, keys)
+        entries, keys = self.slab.table(("entries", source)), self.slab.table(("keys", source))
+        width = max(c.keys[source].n for c in caches)
+        slots = torch.tensor(self.slab_rows, device=keys.device)
+        in_order = self.slab_rows == list(range(len(caches)))
+        scored = keys[: len(caches), :width] if in_order else keys[:, :width].index_select(0, slots)
+        return LongRangeRows(entries, keys, layout.each(slots), scored)
+
+    def _batch_pick(self, block: Block, rows: LongRangeRows, x: torch.Tensor, q_residual: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_pick` over the batch (``picks["layout"]``): ``keys`` [b, E, d] per
-        sequence; returns (entry indices [N, k], valid [N, k]). ``index_query``: the
-        indexer's per-token half (:meth:`~model.attention.Indexer.query`) when the
-        compiled step computed it."""
+        """:meth:`_pick` over the batch (``picks["layout"]``) and its source's ``rows``;
+        returns (entry indices [N, k], valid [N, k]). ``index_query``: the indexer's
+        per-token half (:meth:`~model.attention.Indexer.query`) when the compiled step
+        computed it."""
         plan, config, indexer = block.plan, self.model.config, block.attn.indexer
         state, positions = self.picks, self.positions
         layout = state["layout"]
-        k = min(config.index_topk, keys.shape[1])
+        k = min(config.index_topk, rows.scored.shape[1])
         if k == 0:
             empty = torch.zeros(len(positions), 0, dtype=torch.long, device=x.device)
             return empty, empty.bool()
         q, weights = index_query or indexer.query(x[None], q_residual, cos, sin)  # [1, N, H, d], [1, N, H]
         if plan.candidate_source is not None:  # a Reindex layer: each token scores its own candidates
             pool = state["candidates"]
-            scores = indexer.score(q, weights, layout.rows_at(keys, pool[0])[None])[0]
+            scores = indexer.score(q, weights, layout.rows_at(rows.keys, pool[0], rows.row)[None])[0]
         else:  # every token of a sequence against its keys: laid out [b, n]
-            scores = layout.tokens(indexer.score(layout.padded(q[0]), layout.padded(weights[0]), keys))
+            scores = layout.tokens(indexer.score(layout.padded(q[0]), layout.padded(weights[0]), rows.scored))
             pool = None
         chosen = select_entries(scores, (positions + 1) // plan.compress_ratio, k, plan, config, pool,
                                 candidate_entries)

@@ -17,6 +17,7 @@ import torch
 
 from ..engram import NgramContext
 from ..transformer import Block, Transformer
+from .batch_slab import BatchSlab
 from .cache import SequenceCache
 
 
@@ -58,7 +59,8 @@ class Segment:
         self.first = int(self.positions[0]) if len(self.positions) else self.cache.length
 
 
-def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segment], x: torch.Tensor) -> None:
+def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segment], x: torch.Tensor,
+                slab: BatchSlab | None = None, slots: list[int] = ()) -> None:
     """Extend a KV source's long-range entries and indexer keys with the complete
     groups of every sequence's new rows ``x[lo:hi]`` (x [N, D]).
 
@@ -67,10 +69,13 @@ def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segme
     A verify step records the rows pooled from in its rewind, for :meth:`Engine.accept`.
     The groups of all sequences are pooled in one call, one group per row, by the
     ``compiled`` step (a :class:`model.runtime.compiled.CompiledBlocks`) where it takes them.
+    ``slab``: where the segments' entries and keys are seated, the i-th's in row
+    ``slots[i]`` (:class:`~model.runtime.batch_slab.BatchSlab`): the groups are
+    appended there, with one copy for all.
     """
     source, ratio = block.plan.index, block.plan.compress_ratio
     groups, owners = [], []
-    for segment in segments:
+    for i, segment in enumerate(segments):
         cache = segment.cache
         rows, row_pos = _pooled_rows(segment, source, ratio, x)
         if segment.rewind is not None:
@@ -78,7 +83,7 @@ def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segme
         whole = rows.shape[0] // ratio * ratio
         if whole:
             groups.append((rows[:whole], row_pos[:whole]))
-            owners.append((cache, whole // ratio))
+            owners.append((i, whole // ratio))
         cache.pending[source] = rows[whole:]
     if not groups:
         return
@@ -88,15 +93,22 @@ def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segme
         rows = torch.cat([g[0] for g in groups]).unflatten(0, (-1, ratio))
         row_pos = torch.cat([g[1] for g in groups]).view(-1, ratio)
     # Row by row, so encoding every sequence's rows at once gives each its own bytes.
-    entry_store, key_store = owners[0][0].entries[source], owners[0][0].keys[source]
+    caches = [segments[i].cache for i, _ in owners]
+    entry_store, key_store = caches[0].entries[source], caches[0].keys[source]
     if compiled is not None and compiled.handles(rows.shape[0] * rows.shape[1]):
         cos, sin = model.rotary["compress"](row_pos[:, ::ratio])
         entry_rows, key_rows = compiled.pool_groups(block.attn, rows, cos, sin, entry_store, key_store)
     else:
         new_entries, new_keys = block.attn.compress(rows, row_pos, model.rotary["compress"])
         entry_rows, key_rows = entry_store.encode(new_entries.flatten(0, 1)), key_store.encode(new_keys.flatten(0, 1))
+    counts = [n_groups for _, n_groups in owners]
+    if slab is not None:
+        rows_of = [slots[i] for i, _ in owners]
+        slab.append(("entries", source), [c.entries[source] for c in caches], rows_of, counts, entry_rows)
+        slab.append(("keys", source), [c.keys[source] for c in caches], rows_of, counts, key_rows)
+        return
     lo = 0
-    for cache, n_groups in owners:
+    for cache, n_groups in zip(caches, counts):
         cache.entries[source].append_encoded(*(t[lo : lo + n_groups] for t in entry_rows))
         cache.keys[source].append_encoded(*(t[lo : lo + n_groups] for t in key_rows))
         lo += n_groups

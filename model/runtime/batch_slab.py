@@ -1,0 +1,195 @@
+"""The caches of a batch's sequences kept side by side: one buffer per layer's windows,
+one per KV source's long-range entries and one per its indexer keys.
+
+A batched step (:class:`model.runtime.gather.CachedKeys`) appends each sequence's new
+rows and reads every sequence's rows at every layer. With each sequence's rows in a
+buffer of their own, that is a copy per sequence per layer and a padding of every
+sequence's rows into one tensor: at batch 16, hundreds of small tensor operations a
+step, whichever step (eager or compiled) runs the layers. Here the rows of the
+sequences that step together live in one buffer per place (a :data:`Place`: a layer's
+window, a source's entries, a source's keys), ``[rows, capacity, ...]``, a row per
+sequence: each :class:`~model.runtime.cache.PackedRows` keeps its rows in its row of the
+buffer (:meth:`~model.runtime.cache.PackedRows.adopt`), so that a place's new rows of
+every sequence are written with one indexed copy (:meth:`BatchSlab.append`), every
+window is read with one gather (:meth:`BatchSlab.read_windows`) and the long-range rows
+are read where they lie (:meth:`BatchSlab.table`), with no padded copy.
+
+A window buffer's rows hold a window and two steps' tokens, twice (so that a window,
+which moves its rows back to the start of its row when an append finds it full, never
+outgrows it). A long-range buffer's rows hold the longest sequence's rows and a step's
+groups, twice; it grows (every sequence's rows copied to the new one) when a sequence
+outgrows it, and is not made past ``max_bytes`` (the step then pads the rows instead).
+
+A sequence takes a row when it first steps in a batch (:meth:`BatchSlab.admit`) and
+gives it back, its rows copied to buffers of their own, at the first batched step
+without it. The caches stay the caches of record, with the same rows and bytes: only
+where they are kept changes. Everything here runs on the engine's one thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .cache import PackedRows, SequenceCache, Window
+
+Place = tuple[Literal["window", "entries", "keys"], int]
+"""A cache place of every sequence: a layer's window, or a KV source's entries or keys."""
+
+
+def rows_of(cache: SequenceCache, place: Place) -> PackedRows | None:
+    """The cache's rows at ``place`` (None: a window not built)."""
+    kind, index = place
+    if kind == "window":
+        window = cache.windows[index] if index < len(cache.windows) else None
+        return None if window is None else window.rows
+    return (cache.entries if kind == "entries" else cache.keys).get(index)
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """One place's rows: the bytes [rows, capacity, row bytes] and values [rows,
+    capacity, dim], and each row's views (made once: a cache's rows are known to be kept
+    in its row by the identity of its view)."""
+
+    data: torch.Tensor
+    values: torch.Tensor
+    data_of: list[torch.Tensor]
+    values_of: list[torch.Tensor]
+
+    @property
+    def capacity(self) -> int:
+        return self.values.shape[1]
+
+    @classmethod
+    def of(cls, rows: int, capacity: int, like: PackedRows) -> _Buffer:
+        data = torch.zeros(rows, capacity, like.row_bytes, dtype=torch.uint8, device=like.device)
+        values = torch.zeros(rows, capacity, like.dim, dtype=torch.float32, device=like.device)
+        return cls(data, values, list(data.unbind(0)), list(values.unbind(0)))
+
+    @staticmethod
+    def nbytes(rows: int, capacity: int, like: PackedRows) -> int:
+        return rows * capacity * (like.row_bytes + 4 * like.dim)
+
+
+class BatchSlab:
+    """Rows of cache buffers for the sequences of a batched step (see the module
+    docstring): windows of ``window`` places, steps of at most ``step_tokens`` tokens a
+    sequence, long-range buffers of at most ``max_bytes`` each."""
+
+    def __init__(self, window: int, step_tokens: int, max_bytes: int = 32 << 20):
+        self.window_capacity = 2 * (window + 2 * step_tokens)
+        self.step_tokens, self.max_bytes = step_tokens, max_bytes
+        self.occupants: list[SequenceCache | None] = []
+        self._row_of: dict[int, int] = {}  # id(cache) -> its row
+        self._buffers: dict[Place, _Buffer] = {}
+
+    def admit(self, caches: list[SequenceCache]) -> list[int]:
+        """The rows of a step's ``caches``, in order: each keeps its row, a newcomer
+        takes a free one; a sequence the step leaves out gives its row back first."""
+        present = {id(cache) for cache in caches}
+        for row, cache in enumerate(self.occupants):
+            if cache is not None and id(cache) not in present:
+                self._evict(row)
+        free = [row for row, cache in enumerate(self.occupants) if cache is None]
+        if sum(id(cache) not in self._row_of for cache in caches) > len(free):
+            self._grow(len(caches))
+            free = list(range(len(self.occupants)))
+        newcomers = [cache for cache in caches if id(cache) not in self._row_of]
+        for cache, row in zip(newcomers, free):
+            self.occupants[row] = cache
+            self._row_of[id(cache)] = row
+        return [self._row_of[id(cache)] for cache in caches]
+
+    def seat(self, place: Place, rows: list[PackedRows], slots: list[int]) -> bool:
+        """Put each sequence's ``rows`` at ``place`` in its row ``slots[i]`` (copied there
+        unless kept there already); False, and nothing moved, when a window is too long
+        for a row or a long-range buffer would pass ``max_bytes`` (the step then reads
+        the rows where they are)."""
+        buffer = self._room(place, rows)
+        if buffer is None:
+            return False
+        for packed, slot in zip(rows, slots):
+            if not packed.holds(buffer.values_of[slot]):
+                packed.adopt(buffer.data_of[slot], buffer.values_of[slot])
+        return True
+
+    def append(self, place: Place, rows: list[PackedRows], slots: list[int], counts: list[int],
+               encoded: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Append new rows to every (seated) sequence's rows at ``place``: ``encoded``
+        (bytes [M, row bytes], values [M, dim]), ``counts[i]`` of them for the i-th, in
+        order: two indexed copies."""
+        buffer = self._buffers[place]
+        starts = []
+        for packed, slot, m in zip(rows, slots, counts):
+            start = slot * buffer.capacity + packed.tail(m)
+            starts.extend(range(start, start + m))
+        index = torch.tensor(starts, device=encoded[1].device)
+        for flat, new in zip((buffer.data, buffer.values), encoded):
+            flat.view(-1, flat.shape[-1]).index_copy_(0, index, new)
+        for packed, m in zip(rows, counts):
+            packed.extend(m)
+
+    def read_windows(self, layer: int, windows: list[Window], slots: list[int], firsts: list[int],
+                     lengths: list[int], places: torch.Tensor) -> torch.Tensor:
+        """Each (seated) window's ``lengths[i]`` rows from position ``firsts[i]`` on,
+        padded: [b, T, dim] for ``places`` = ``arange(T)``, T the longest (a shorter
+        window's padding repeats its last row: the caller masks it)."""
+        buffer = self._buffers["window", layer]
+        starts = [slot * buffer.capacity + window.rows.offset + first - window.start
+                  for window, slot, first in zip(windows, slots, firsts)]
+        spans = torch.tensor([lengths, starts], device=places.device)
+        index = torch.minimum(places, spans[0, :, None] - 1) + spans[1, :, None]  # [b, T]
+        return buffer.values.view(-1, buffer.values.shape[-1]).index_select(0, index.view(-1)).view(*index.shape, -1)
+
+    def table(self, place: Place) -> torch.Tensor:
+        """The values of every row at ``place``: [rows, capacity, dim], a seated
+        sequence's rows from the start of its row (the rest is stale: masked by the
+        reader)."""
+        return self._buffers[place].values
+
+    def _room(self, place: Place, rows: list[PackedRows]) -> _Buffer | None:
+        """The buffer of ``place`` with room for every one of ``rows`` and a step's new
+        rows (made or grown here), or None."""
+        longest = max(packed.n for packed in rows)
+        buffer = self._buffers.get(place)
+        if place[0] == "window":
+            if longest > self.window_capacity // 2:
+                return None
+            if buffer is None:
+                buffer = self._buffers[place] = _Buffer.of(len(self.occupants), self.window_capacity, rows[0])
+            return buffer
+        need = longest + self.step_tokens
+        if buffer is not None and buffer.capacity >= need:
+            return buffer
+        capacity = 1 << max(6, (2 * need - 1).bit_length())
+        if _Buffer.nbytes(len(self.occupants), capacity, rows[0]) > self.max_bytes:
+            return None
+        grown = self._buffers[place] = _Buffer.of(len(self.occupants), capacity, rows[0])
+        if buffer is not None:  # every occupant kept there moves with it
+            for slot, cache in enumerate(self.occupants):
+                packed = None if cache is None else rows_of(cache, place)
+                if packed is not None and packed.holds(buffer.values_of[slot]):
+                    packed.adopt(grown.data_of[slot], grown.values_of[slot])
+        return grown
+
+    def _evict(self, row: int) -> None:
+        """Give ``row`` back: its sequence's rows kept there move to buffers of their own."""
+        cache = self.occupants[row]
+        for place, buffer in self._buffers.items():
+            packed = rows_of(cache, place)
+            if packed is not None and packed.holds(buffer.values_of[row]):
+                packed.release()
+        self.occupants[row] = None
+        del self._row_of[id(cache)]
+
+    def _grow(self, rows: int) -> None:
+        """Room for ``rows`` sequences: every occupant gives its row back (its rows are
+        seated again, in the new buffers, as its next steps reach them)."""
+        for row, cache in enumerate(self.occupants):
+            if cache is not None:
+                self._evict(row)
+        self.occupants = [None] * max(rows, 2 * len(self.occupants))
+        self._buffers = {}
