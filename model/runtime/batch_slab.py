@@ -18,7 +18,9 @@ A window buffer's rows hold a window and two steps' tokens, twice (so that a win
 which moves its rows back to the start of its row when an append finds it full, never
 outgrows it). A long-range buffer's rows hold the longest sequence's rows and a step's
 groups, twice; it grows (every sequence's rows copied to the new one) when a sequence
-outgrows it, and is not made past ``max_bytes`` (the step then pads the rows instead).
+outgrows it. The long-range buffers together take at most ``max_bytes``, what a step
+would otherwise pad (:attr:`model.runtime.engine.Engine.BATCHED_BYTES`); a buffer that
+would pass it is not made, and the step pads those rows instead.
 
 A sequence takes a row when it first steps in a batch (:meth:`BatchSlab.admit`) and
 gives it back, its rows copied to buffers of their own, at the first batched step
@@ -63,6 +65,10 @@ class _Buffer:
     def capacity(self) -> int:
         return self.values.shape[1]
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.values.numel() * self.values.element_size()
+
     @classmethod
     def of(cls, rows: int, capacity: int, like: PackedRows) -> _Buffer:
         data = torch.zeros(rows, capacity, like.row_bytes, dtype=torch.uint8, device=like.device)
@@ -70,16 +76,17 @@ class _Buffer:
         return cls(data, values, list(data.unbind(0)), list(values.unbind(0)))
 
     @staticmethod
-    def nbytes(rows: int, capacity: int, like: PackedRows) -> int:
+    def size(rows: int, capacity: int, like: PackedRows) -> int:
+        """The bytes of a buffer of ``rows`` x ``capacity`` rows like ``like``'s."""
         return rows * capacity * (like.row_bytes + 4 * like.dim)
 
 
 class BatchSlab:
     """Rows of cache buffers for the sequences of a batched step (see the module
     docstring): windows of ``window`` places, steps of at most ``step_tokens`` tokens a
-    sequence, long-range buffers of at most ``max_bytes`` each."""
+    sequence, long-range buffers of at most ``max_bytes`` together."""
 
-    def __init__(self, window: int, step_tokens: int, max_bytes: int = 32 << 20):
+    def __init__(self, window: int, step_tokens: int, max_bytes: int = 64 << 20):
         self.window_capacity = 2 * (window + 2 * step_tokens)
         self.step_tokens, self.max_bytes = step_tokens, max_bytes
         self.occupants: list[SequenceCache | None] = []
@@ -106,8 +113,8 @@ class BatchSlab:
     def seat(self, place: Place, rows: list[PackedRows], slots: list[int]) -> bool:
         """Put each sequence's ``rows`` at ``place`` in its row ``slots[i]`` (copied there
         unless kept there already); False, and nothing moved, when a window is too long
-        for a row or a long-range buffer would pass ``max_bytes`` (the step then reads
-        the rows where they are)."""
+        for a row or the long-range buffers would pass ``max_bytes`` (the step then
+        reads the rows where they are)."""
         buffer = self._room(place, rows)
         if buffer is None:
             return False
@@ -165,7 +172,8 @@ class BatchSlab:
         if buffer is not None and buffer.capacity >= need:
             return buffer
         capacity = 1 << max(6, (2 * need - 1).bit_length())
-        if _Buffer.nbytes(len(self.occupants), capacity, rows[0]) > self.max_bytes:
+        others = sum(held.nbytes for kept, held in self._buffers.items() if kept[0] != "window" and kept != place)
+        if others + _Buffer.size(len(self.occupants), capacity, rows[0]) > self.max_bytes:
             return None
         grown = self._buffers[place] = _Buffer.of(len(self.occupants), capacity, rows[0])
         if buffer is not None:  # every occupant kept there moves with it

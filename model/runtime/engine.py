@@ -80,7 +80,7 @@ class Engine:
         self.restore_windows = restore_windows
         self._ratios = {plan.index: plan.compress_ratio for plan in self.config.layer_plans()}
         # Where the caches of sequences that step together are kept (model.runtime.batch_slab).
-        self.slab = BatchSlab(self.window, self.BATCHED_TOKENS)
+        self.slab = BatchSlab(self.window, self.BATCHED_TOKENS, self.BATCHED_BYTES)
         # Engram layers the decoder's replay runs: their rows come from the inputs' row ids.
         self._decoder_engram = tuple(i for i in self.config.engram_layer_ids if i >= self.decoder_start)
 

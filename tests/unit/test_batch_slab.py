@@ -68,8 +68,9 @@ def test_a_batch_in_the_slab_computes_what_separate_caches_compute(golden_model,
 
 def test_long_range_rows_outgrowing_their_buffer_move_with_it(golden_model, golden_hasher, golden_prompts):
     """Buffers made for the shortest prompts grow as the long ones join (every seated
-    sequence's rows copied along), and a slab too small for any long-range buffer pads
-    them: both compute what separate caches compute."""
+    sequence's rows copied along), a slab too small for any long-range buffer pads the
+    rows, and one with room for some pads the rest: all compute what separate caches
+    compute."""
     _, model = golden_model
     prompts = [golden_prompts[1][:20], golden_prompts[1][:24], golden_prompts[0], golden_prompts[2]]
     grown, unseated, separate = (Engine(model, golden_hasher) for _ in range(3))
@@ -94,6 +95,21 @@ def test_long_range_rows_outgrowing_their_buffer_move_with_it(golden_model, gold
         assert torch.equal(torch.stack(a), torch.stack(c)) and torch.equal(torch.stack(b), torch.stack(c))
     _assert_same_caches(got_caches, expected_caches)
     _assert_same_caches(padded_caches, expected_caches)
+
+    # A budget of half what the long-range buffers took: some places are padded instead,
+    # the buffers kept stay within it, and the step computes the same.
+    kept = _long_range_bytes(grown.slab)
+    tight = Engine(model, golden_hasher)
+    tight.slab.max_bytes = kept // 2
+    got_tight, tight_caches = _run(tight, prompts)
+    assert 0 < _long_range_bytes(tight.slab) <= kept // 2
+    for a, c in zip(got_tight, expected):
+        assert torch.equal(torch.stack(a), torch.stack(c))
+    _assert_same_caches(tight_caches, expected_caches)
+
+
+def _long_range_bytes(slab: BatchSlab) -> int:
+    return sum(buffer.nbytes for place, buffer in slab._buffers.items() if place[0] != "window")
 
 
 def test_a_sequence_leaving_keeps_its_windows_in_a_buffer_of_its_own(golden_model, golden_hasher, golden_prompts):
