@@ -132,6 +132,8 @@ class BatchSlab:
         starts = []
         for packed, slot, m in zip(rows, slots, counts):
             start = slot * buffer.capacity + packed.tail(m)
+            if not packed.holds(buffer.values_of[slot]):  # (seating leaves room for a step: never)
+                raise RuntimeError(f"{place}: {m} new rows outgrew row {slot} of the slab")
             starts.extend(range(start, start + m))
         index = torch.tensor(starts, device=encoded[1].device)
         for flat, new in zip((buffer.data, buffer.values), encoded):

@@ -103,9 +103,9 @@ def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segme
         entry_rows, key_rows = entry_store.encode(new_entries.flatten(0, 1)), key_store.encode(new_keys.flatten(0, 1))
     counts = [n_groups for _, n_groups in owners]
     if slab is not None:
-        rows_of = [slots[i] for i, _ in owners]
-        slab.append(("entries", source), [c.entries[source] for c in caches], rows_of, counts, entry_rows)
-        slab.append(("keys", source), [c.keys[source] for c in caches], rows_of, counts, key_rows)
+        owner_slots = [slots[i] for i, _ in owners]
+        slab.append(("entries", source), [c.entries[source] for c in caches], owner_slots, counts, entry_rows)
+        slab.append(("keys", source), [c.keys[source] for c in caches], owner_slots, counts, key_rows)
         return
     lo = 0
     for cache, n_groups in zip(caches, counts):
