@@ -126,9 +126,7 @@ class Indexer(nn.Module):
 
     def score(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """The half of :meth:`scores` that reads keys: [B, S, T]."""
-        pattern = "bshd,btd->bsht" if keys.ndim == 3 else "bshd,bstd->bsht"
-        per_head = torch.einsum(pattern, q.float(), keys.float()).relu_() * self.head_dim**-0.5
-        return torch.einsum("bsht,bsh->bst", per_head, weights)
+        return index_scores(q, weights, keys)
 
 
 class CSA2Attention(nn.Module):
@@ -217,6 +215,14 @@ def indexer_query(x: torch.Tensor, q_residual: torch.Tensor, cos: torch.Tensor, 
     return q, F.linear(x, weights_proj).float() * n_heads**-0.5
 
 
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """:meth:`Indexer.score`: query heads [B, S, H, d] weighted [B, S, H] against keys
+    shared [B, T, d] or per query [B, S, T, d] -> [B, S, T]."""
+    pattern = "bshd,btd->bsht" if keys.ndim == 3 else "bshd,bstd->bsht"
+    per_head = torch.einsum(pattern, q.float(), keys.float()).relu_() * q.shape[-1] ** -0.5
+    return torch.einsum("bsht,bsh->bst", per_head, weights)
+
+
 def window_raw(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wkv: torch.Tensor, kv_norm: torch.Tensor,
                eps: float) -> torch.Tensor:
     """:meth:`CSA2Attention.window_raw`."""
@@ -292,20 +298,37 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     every entry all of whose head products are negative scores exactly 0, and a block
     of such entries ties too. ``torch.topk`` breaks ties as its kernel happens to (it
     differs with the tensor's width and the CPU), which would let two paths that score
-    identically pick differently; this rule depends on the scores alone.
+    identically pick differently; this rule depends on the scores alone. It is one
+    ``topk`` over keys that order by score, then by lower index (:func:`_ranked`): no
+    branch and no read back to the host, so the compiled step runs it too.
     """
     k = min(k, scores.shape[-1])
-    values, indices = scores.topk(k, dim=-1)
-    kth = values[..., -1:]
-    ties = scores == kth
-    if bool((ties.sum(-1) == (values == kth).sum(-1)).all()):  # no tie across the cut: one choice
-        indices = indices.sort(dim=-1).values
-        return indices, scores.gather(-1, indices)
-    above = scores > kth
-    wanted = k - above.sum(-1, keepdim=True)
-    chosen = above | (ties & (ties.cumsum(-1) <= wanted))  # exactly k per row
-    indices = chosen.nonzero()[:, -1].view(*scores.shape[:-1], k)
+    indices = _ranked(scores).topk(k, dim=-1).indices.sort(dim=-1).values
     return indices, scores.gather(-1, indices)
+
+
+def _ranked(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys [..., T] that order as ``scores`` (float32) do, equal scores by lower
+    index first: the float's bits made monotone in the high half (-0 read as +0; a
+    negative float's magnitude bits flipped), the index's complement in the low half."""
+    bits = scores.float().masked_fill(scores == 0, 0.0).view(torch.int32)
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    position = torch.arange(scores.shape[-1], device=scores.device)
+    return (monotone << 32) | (0xFFFFFFFF - position)
+
+
+def unseen_masked(scores: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+    """``scores`` [..., T] with the entries its queries cannot see yet (at or past
+    ``n_visible`` [...]) at -inf."""
+    visible = torch.arange(scores.shape[-1], device=scores.device) < n_visible[..., None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def pool_masked(scores: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor,
+                n_visible: torch.Tensor) -> torch.Tensor:
+    """``scores`` [..., P] of a listed pool's ``entries`` [..., P] with those not
+    ``valid`` or not visible yet (the newest block is partial) at -inf."""
+    return scores.masked_fill(~(valid & (entries < n_visible[..., None])), float("-inf"))
 
 
 def _top_blocks(scores: torch.Tensor, n_visible: torch.Tensor, topk_blocks: int, block: int):
@@ -387,11 +410,9 @@ def select_entries(scores: torch.Tensor, n_visible: torch.Tensor, k: int, plan: 
     """
     listed = plan.candidate_source is not None and isinstance(pool, tuple)
     if listed:
-        entries, valid = pool
-        scores = scores.masked_fill(~(valid & (entries < n_visible[..., None])), float("-inf"))  # newest block partial
+        scores = pool_masked(scores, *pool, n_visible)
     else:
-        visible = torch.arange(scores.shape[-1], device=scores.device) < n_visible[..., None]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = unseen_masked(scores, n_visible)
         if plan.candidate_source is not None:
             scores = scores.masked_fill(~pool, float("-inf"))
     made = None

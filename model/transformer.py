@@ -155,17 +155,16 @@ def run_blocks(blocks: Iterable[Block], streams: torch.Tensor, pre: torch.Tensor
     ``keys`` says where attention reads its keys; ``rows`` the Engram layers' rows;
     ``image_mask`` [...] the image positions (None: none); ``tap`` records the streams
     entering its layers. ``run_block`` (a :class:`model.runtime.compiled.CompiledBlocks`)
-    runs each block in place of :meth:`Block.forward` (no image positions).
+    runs each block, reading ``keys``, in place of :meth:`Block.forward` (no image positions).
     """
     for block in blocks:
         index = block.plan.index
         if tap is not None and index in tap.layers:
             tap.streams[index] = streams
-        attend = partial(keys.attend, block)
         if run_block is not None:
-            streams, pre = run_block(block, streams, pre, attend, engram_rows_of(block, rows))
+            streams, pre = run_block(block, streams, pre, keys, engram_rows_of(block, rows))
         else:
-            streams, pre = block(streams, pre, attend, engram_rows_of(block, rows), image_mask)
+            streams, pre = block(streams, pre, partial(keys.attend, block), engram_rows_of(block, rows), image_mask)
     return streams, pre
 
 

@@ -3,26 +3,33 @@
 A decode step on a small model is bound by dispatch, not arithmetic: each layer runs
 two mHC mixes (a 24-wide projection and 20 Sinkhorn normalisations of a 4x4 matrix
 per token), two collapses and expansions of the streams, two RMS norms and the MoE
-(router, top-k, a dispatch loop over experts), hundreds of tiny ops. Here the work
-before attention (the attention site's mixes, collapse, norm), the attention's input
-(queries, the new window rows and their FP8 bytes), its output (each token's attention
-over the keys the engine gathered for it, the output projection) and the work after it
-(expand, the FFN site's mixes, collapse, norm, the MoE, expand) are each one function
-of tensors, compiled by ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) with
-dynamic token counts, so a batch of any size reuses the same code. The attention's
-input also carries the indexer's query of a layer that runs one, a fifth function
-pools and encodes a Full layer's groups completed in the step, and a sixth is a DSpark
+(router, top-k, a dispatch loop over experts), hundreds of tiny ops. Here a layer over
+the engine's caches is two compiled functions of tensors around its cache reads:
+:func:`_layer_in`, the work before attention (the attention site's mixes, collapse,
+norm) and the attention's input (queries, the new window rows and their FP8 bytes, the
+indexer's query of a layer that runs one); and :func:`_layer_out`, each token's
+attention over the keys the engine gathered for it, the output projection and the work
+after it (expand, the FFN site's mixes, collapse, norm, the MoE, expand). Each is
+compiled by ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) with dynamic token
+counts, so a batch of any size reuses the same code; two calls a layer, not four,
+because each call costs ~40-90 us however little it computes. A fifth function pools
+and encodes a Full layer's groups completed in the step, and a sixth is a DSpark
 drafter layer's attention (each request's block over its drafter context and its own
 window entries: one call instead of ~40 eager ops, 0.8 ms of a 2.9 ms draft at batch
-1). What reads the caches between them (window places, the indexer's scores and top-k,
-the gathers) stays eager, in :class:`model.runtime.gather.CachedKeys`.
+1); the drafter's layers run the work before and after attention as two more
+(:func:`_before_attention`, :func:`_after_attention`). What reads the caches between
+them (window places, the gathers) stays eager, in
+:meth:`model.runtime.gather.CachedKeys.read`, but for the indexer's pick of a batched
+step: its scores, candidate blocks and top-k are one call (:func:`_pick`; a Reindex
+layer's, over its candidates' keys, :func:`_repick`), with the selection rule of the
+eager path (:func:`model.attention.top_k` has no branch and no read back to the host).
 
 By default (``mode="aot"``) each function is built ahead of time by AOTInductor into a
 package kept on disk (:mod:`model.runtime.aot`), one per signature: a call then costs
 ~40-140 us at batch 1 instead of ~120-330 us through ``torch.compile``, whose guards
 and Python wrapper run on every call. Packages are built by the first call of each
 variant, which :meth:`~model.runtime.engine.Engine.warm_compiled` makes at replica
-start: ~2.5 minutes for configs/small's 8 packages (and the drafter's 4 with
+start: ~2.5 minutes for configs/small's 9 packages (and the drafter's with
 :meth:`~model.runtime.speculative.SpeculativeDrafter.warm_compiled`), 2-5 s to load
 them afterwards.
 ``mode="jit"`` keeps ``torch.compile``.
@@ -58,9 +65,10 @@ from model.attention import CSA2Attention
 from model.formats import BlockFormat
 from model.moe import MoE, expert, route, swiglu
 from model.norm import rms_norm
-from model.runtime import aot, cache
+from model.runtime import aot, batch_layout, cache
 from model.runtime.cache import PackedRows, encode_rows
-from model.transformer import Block, Transformer
+from model.runtime.gather import CachedKeys
+from model.transformer import Block, Keys, Transformer
 
 
 def _before_attention(streams, pre, fn, scale, base, norm_weight, iters: int, hc_eps: float, norm_eps: float):
@@ -146,6 +154,56 @@ def _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_
     return attention.output(out[None], cos, sin, wo_a, wo_b, o_groups)[0]
 
 
+def _layer_in(streams, pre, fn, scale, base, norm_weight, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, iters: int,
+              hc_eps: float, norm_eps: float, n_heads: int, eps: float, window_format: BlockFormat | None,
+              payload: int, index_wq_b, index_weights, index_heads: int):
+    """A layer's work before its cache reads, in one call: :func:`_before_attention`
+    then :func:`_attention_in` of its output: (x, its three mixes, then what
+    :func:`_attention_in` returns)."""
+    x, attn_pre, attn_post, attn_comb = _before_attention(streams, pre, fn, scale, base, norm_weight, iters, hc_eps,
+                                                          norm_eps)
+    return (x, attn_pre, attn_post, attn_comb,
+            *_attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads, eps, window_format, payload,
+                           index_wq_b, index_weights, index_heads))
+
+
+def _layer_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, streams, attn_pre, attn_post, attn_comb, fn, scale, base,
+               norm_weight, router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, scaling: float,
+               o_groups: int, iters: int, hc_eps: float, norm_eps: float, top_k: int, scoring_func: str,
+               gate_temp: float, norm_topk_prob: bool, moe_scaling: float, limit: float):
+    """A layer's work after its cache reads, in one call: :func:`_attention_out` then
+    :func:`_after_attention`: (streams, the next site's ``pre``)."""
+    out = _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling, o_groups)
+    return _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, base, norm_weight, router_weight,
+                            router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, iters, hc_eps, norm_eps, top_k,
+                            scoring_func, gate_temp, norm_topk_prob, moe_scaling, limit)
+
+
+def _pick(q, weights, keys, n_visible, k: int, topk_blocks: int, block: int):
+    """An indexer's pick over its own keys for the n new tokens of each of b sequences:
+    queries ``q`` [b, n, H, d] weighted [b, n, H] against each sequence's keys
+    [b, W, d], the first ``n_visible`` [b, n] of them visible to each token: (entries
+    [b * n, k] ascending, valid [b * n, k]), and for a candidate source (``topk_blocks``
+    > 0) its listed pool (entries [b * n, P], valid), as
+    :func:`model.attention.select_entries` picks them."""
+    scores = attention.unseen_masked(attention.index_scores(q, weights, keys), n_visible).flatten(0, 1)
+    top, values = attention.top_k(scores, k)
+    if not topk_blocks:
+        return top, values > float("-inf")
+    return top, values > float("-inf"), *attention.candidate_entries(scores, n_visible.flatten(), topk_blocks, block)
+
+
+def _repick(q, weights, table, rows, entries, valid, n_visible, k: int):
+    """A Reindex layer's pick among each token's candidates: queries ``q`` [1, N, H, d]
+    weighted [1, N, H] against the keys of its pool's ``entries`` [N, P] (``valid``)
+    in its row ``rows`` [N] of ``table`` [R, E, d], ``n_visible`` [N]: (entries [N, k]
+    ascending by pool place, valid [N, k]), as :func:`model.attention.select_entries`
+    picks them."""
+    scores = attention.index_scores(q, weights, batch_layout.table_rows(table, entries, rows)[None])[0]
+    top, values = attention.top_k(attention.pool_masked(scores, entries, valid, n_visible), k)
+    return entries.gather(-1, top), values > float("-inf")
+
+
 def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routed experts' weights stacked: w1 and w3 [E, inter, hidden], w2 [hidden, E,
     inter] (so that all experts side by side are a [hidden, E * inter] matrix, no copy);
@@ -157,6 +215,12 @@ def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             getattr(module, name).weight.data = stack.select(dim, index)
         stacks.append(stack)
     return tuple(stacks)
+
+
+def _encoded(window: PackedRows, rows: torch.Tensor, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """New window rows as the compiled input half gave them, as (bytes, values) for
+    ``window``: encoded there in a block format, encoded here for a float32 cache."""
+    return (rows, values) if isinstance(window.fmt, BlockFormat) else window.encode(rows)
 
 
 def _jit(compiled: Callable) -> Callable:
@@ -181,29 +245,29 @@ class CompiledBlocks:
             raise ValueError(f"compiled mode {mode!r}: 'aot' or 'jit'")
         self.max_tokens, self.mode = max_tokens, mode
         self.cache_dir = (cache_dir or aot.default_cache_dir()) if mode == "aot" else None
-        functions = {"before": _before_attention, "after": _after_attention, "attention_in": _attention_in,
-                     "attention_out": _attention_out, "pool_groups": _pool_groups,
+        functions = {"before": _before_attention, "after": _after_attention, "layer_in": _layer_in,
+                     "layer_out": _layer_out, "pick": _pick, "repick": _repick, "pool_groups": _pool_groups,
                      "draft_attention": _draft_attention}
         if mode == "aot":
-            digest = aot.source_digest([sys.modules[__name__], attention, mhc, moe, norm, formats, cache])
+            digest = aot.source_digest([sys.modules[__name__], attention, mhc, moe, norm, formats, cache,
+                                        batch_layout])
             self.functions: dict[str, Callable] = {
                 name: aot.AotFunction(fn, self.cache_dir, digest) for name, fn in functions.items()}
         else:
             self.functions = {name: _jit(torch.compile(fn, dynamic=True, fullgraph=True, backend=backend))
                               for name, fn in functions.items()}
         self._before, self._after = self.functions["before"], self.functions["after"]
-        self._attention_in, self._attention_out = self.functions["attention_in"], self.functions["attention_out"]
-        self._pool_groups = self.functions["pool_groups"]
+        self._layer_in, self._layer_out = self.functions["layer_in"], self.functions["layer_out"]
+        self._pool_groups, self._pick, self._repick = (self.functions[name] for name in ("pool_groups", "pick",
+                                                                                          "repick"))
         self._draft_attention = self.functions["draft_attention"]
-        tokens = aot.Dynamic("n", 1, max_tokens)
+        tokens, keys = aot.Dynamic("n", 1, max_tokens), aot.Dynamic("t", 1, 1 << 24)
+        self._keys_width = keys
         self._token_dims = {i: {0: tokens} for i in range(2)}
-        self._attention_in_dims = {0: {0: tokens}, 1: {1: tokens}, 2: {1: tokens}}
         blocks, width = aot.Dynamic("b", 1, max_tokens), aot.Dynamic("t", 1, 1 << 16)
         self._draft_dims = {0: {0: blocks}, 1: {0: blocks}, 2: {0: blocks}, 3: {0: blocks, 1: width},
                             4: {0: blocks, 1: width}}
-        keys = aot.Dynamic("t", 1, 1 << 24)
-        self._attention_out_dims = {0: {1: tokens}, 1: {0: tokens, 1: keys}, 2: {0: tokens, 1: keys},
-                                    3: {1: tokens}, 4: {1: tokens}}
+        self._layer_in_dims = {0: {0: tokens}, 1: {0: tokens}, 6: {1: tokens}, 7: {1: tokens}}
         config = model.config
         self._mhc = (config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
         self._weights: dict[int, tuple] = {}
@@ -227,21 +291,42 @@ class CompiledBlocks:
     def handles(self, n_tokens: int) -> bool:
         return 0 < n_tokens <= self.max_tokens
 
-    def attention_in(self, attn: CSA2Attention, window: PackedRows, x: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor):
-        """(queries [1, N, H, hd], residual [1, N, q_lora], the new rows of ``x`` [N, D]
-        encoded for ``window``: bytes [N, row bytes] and values [N, hd], and the
-        indexer's :meth:`~model.attention.Indexer.query` of a layer that runs one, else
-        None)."""
-        blocked = isinstance(window.fmt, BlockFormat)  # (a float32 cache: tiny test configs)
+    @staticmethod
+    def _attention_in_args(attn: CSA2Attention, window: PackedRows) -> tuple[tuple, tuple]:
+        """:func:`_attention_in`'s arguments after (x, cos, sin): (the weights, the rest)."""
         indexer = attn.indexer
+        blocked = isinstance(window.fmt, BlockFormat)  # (a float32 cache: tiny test configs)
         index = (None, None, 0) if indexer is None else (indexer.wq_b.weight, indexer.weights_proj.weight,
                                                           indexer.n_heads)
-        q, q_residual, rows, values, index_query = self._attention_in(
-            id(attn), lambda: self._attention_in_dims, x, cos, sin, attn.wq_a.weight, attn.q_norm.weight,
-            attn.wq_b.weight, attn.wkv.weight, attn.kv_norm.weight, attn.n_heads, attn.q_norm.eps,
-            window.fmt if blocked else None, window.payload, *index)
-        return (q, q_residual, *((rows, values) if blocked else window.encode(rows)), index_query)
+        return ((attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight, attn.wkv.weight, attn.kv_norm.weight),
+                (attn.n_heads, attn.q_norm.eps, window.fmt if blocked else None, window.payload, *index))
+
+    def pick(self, layer: int, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor,
+             k: int, topk_blocks: int = 0, block: int = 1) -> tuple[torch.Tensor, ...]:
+        """:func:`_pick` of ``layer``'s indexer: queries [b, n, H, d], weights [b, n, H],
+        keys [b, W, d] (W at least ``k``), ``n_visible`` [b, n]; a candidate source's
+        ``topk_blocks`` and ``block`` (its keys whole blocks, at least ``topk_blocks``)."""
+        return self._pick(layer, lambda: self._pick_dims(k, topk_blocks, block), q, weights, keys, n_visible, k,
+                          topk_blocks, block)
+
+    def _pick_dims(self, k: int, topk_blocks: int, block: int) -> aot.Dims:
+        """:func:`_pick`'s sequences, tokens per sequence and key width: at least ``k``
+        and ``topk_blocks`` whole blocks of ``block``."""
+        sequences, each = aot.Dynamic("b", 1, self.max_tokens), aot.Dynamic("n", 1, self.max_tokens)
+        width = aot.Dynamic("w", max(-(-k // block), topk_blocks), (1 << 24) // block, block)
+        return {0: {0: sequences, 1: each}, 1: {0: sequences, 1: each}, 2: {0: sequences, 1: width},
+                3: {0: sequences, 1: each}}
+
+    def repick(self, layer: int, q: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+               entries: torch.Tensor, valid: torch.Tensor, n_visible: torch.Tensor, k: int):
+        """:func:`_repick` of ``layer``'s indexer (a Reindex layer's)."""
+        return self._repick(layer, self._repick_dims, q, weights, table, rows, entries, valid, n_visible, k)
+
+    def _repick_dims(self) -> aot.Dims:
+        """:func:`_repick`'s token count, and the table's rows and places."""
+        tokens = aot.Dynamic("n", 1, self.max_tokens)
+        return {0: {1: tokens}, 1: {1: tokens}, 2: {0: aot.Dynamic("r", 1, 1 << 16), 1: aot.Dynamic("e", 1, 1 << 24)},
+                3: {0: tokens}, 4: {0: tokens}, 5: {0: tokens}, 6: {0: tokens}}
 
     def pool_groups(self, attn: CSA2Attention, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     entries: PackedRows, keys: PackedRows):
@@ -259,12 +344,6 @@ class CompiledBlocks:
         return (entry_rows if formats[0][0] is not None else entries.encode(entry_rows[0]),
                 key_rows if formats[1][0] is not None else keys.encode(key_rows[0]))
 
-    def attention_out(self, attn: CSA2Attention, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Attention of each token over its keys [N, T, hd] (mask [N, T]), projected: [N, D]."""
-        return self._attention_out(id(attn), lambda: self._attention_out_dims, q, keys, mask, cos, sin,
-                                   attn.attn_sink, attn.wo_a.weight, attn.wo_b.weight, attn.scaling, attn.o_groups)
-
     def draft_attention(self, attn: CSA2Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         context: torch.Tensor, in_window: torch.Tensor) -> torch.Tensor:
         """A drafter layer's attention: blocks ``x`` [B, K, D] over their context entries
@@ -275,20 +354,42 @@ class CompiledBlocks:
             attn.wo_a.weight, attn.wo_b.weight, attn.n_heads, attn.q_norm.eps, attn.kv_norm.eps, attn.scaling,
             attn.o_groups)
 
-    def __call__(self, block: Block, streams: torch.Tensor, pre: torch.Tensor,
-                 attend: Callable[[torch.Tensor], torch.Tensor], engram_rows: torch.Tensor | None = None):
-        """:meth:`Block.forward` (no image tokens): (streams, the next ``pre``)."""
+    def __call__(self, block: Block, streams: torch.Tensor, pre: torch.Tensor, keys: Keys,
+                 engram_rows: torch.Tensor | None = None):
+        """:meth:`Block.forward` (no image tokens) reading ``keys``: (streams, the next
+        ``pre``). Over the engine's caches (:class:`~model.runtime.gather.CachedKeys`) a
+        layer is two calls, :func:`_layer_in` and :func:`_layer_out`, around the cache
+        reads; over other keys, four, their ``attend`` between."""
         if block.engram is not None:
             streams = block.engram(streams, engram_rows, None)
         before, after, routing = self._weights[block.plan.index]
         index = block.plan.index
-        x, attn_pre, attn_post, attn_comb = self._before(index, lambda: self._token_dims, streams, pre, *before,
-                                                         *self._mhc)
-        out = attend(x)
         experts = after[6].shape[0]
-        gathered = out.shape[0] * routing[0] < experts  # the MoE's form (see _after_attention)
-        return self._after((index, gathered), lambda: self._moe_dims(gathered, routing[0], experts),
-                           out, streams, attn_pre, attn_post, attn_comb, *after, *self._mhc, *routing)
+        gathered = streams.shape[0] * routing[0] < experts  # the MoE's form (see _after_attention)
+        moe_dims = lambda: self._moe_dims(gathered, routing[0], experts)  # noqa: E731
+        if not isinstance(keys, CachedKeys):
+            x, attn_pre, attn_post, attn_comb = self._before(index, lambda: self._token_dims, streams, pre, *before,
+                                                             *self._mhc)
+            out = keys.attend(block, x)
+            return self._after((index, gathered), moe_dims, out, streams, attn_pre, attn_post, attn_comb, *after,
+                               *self._mhc, *routing)
+        attn = block.attn
+        cos, sin = keys.rotary_at(block)
+        window = keys.window_rows(block)
+        weights, statics = self._attention_in_args(attn, window)
+        x, attn_pre, attn_post, attn_comb, q, q_residual, rows, values, index_query = self._layer_in(
+            index, lambda: self._layer_in_dims, streams, pre, *before, cos, sin, *weights, *self._mhc, *statics)
+        gathered_keys, mask = keys.read(block, x, q_residual, _encoded(window, rows, values), index_query)
+        return self._layer_out((index, gathered), lambda: self._layer_out_dims(moe_dims()), q, gathered_keys, mask,
+                               cos, sin, attn.attn_sink, attn.wo_a.weight, attn.wo_b.weight, streams, attn_pre,
+                               attn_post, attn_comb, *after, attn.scaling, attn.o_groups, *self._mhc, *routing)
+
+    def _layer_out_dims(self, moe_dims: aot.Dims) -> aot.Dims:
+        """:func:`_layer_out`'s dynamic dimensions: the token count (in the MoE form's
+        range) of the queries, keys, mask, cos, sin, streams and mixes; the keys' width."""
+        tokens, keys = moe_dims[0][0], self._keys_width
+        return {0: {1: tokens}, 1: {0: tokens, 1: keys}, 2: {0: tokens, 1: keys}, 3: {1: tokens}, 4: {1: tokens},
+                **{i: {0: tokens} for i in range(8, 12)}}
 
     def _pool_dims(self, ratio: int) -> aot.Dims:
         """Pooling's rows [B, G * ratio, D] and cos / sin [B, G, rd]: B and G dynamic."""

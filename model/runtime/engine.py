@@ -97,8 +97,12 @@ class Engine:
             self.prefill(cache, [8 + i % 64 for i in range(self.compiled.max_tokens)])
             return
         caches = [self.new_cache() for _ in range(2)]
-        for cache in caches:
-            self.replay(cache, self.prefill(cache, [3, 4, 5]))
+        # one with fewer keys than its indexers pick, one with more (the compiled picks)
+        config = self.config
+        picked = max(config.index_topk, config.candidate_topk_blocks * config.candidate_block_size)
+        long = picked * max(config.compress_ratios or (1,)) + 1
+        for cache, prompt in zip(caches, ([3, 4, 5], [3 + i % 64 for i in range(long)])):
+            self.replay(cache, self.prefill(cache, prompt))
         self.decode([(caches[0], [6])])
         self.decode([(cache, [7]) for cache in caches])
         self.decode([(caches[1], [8 + i % 64 for i in range(self.compiled.max_tokens)])])

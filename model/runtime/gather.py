@@ -12,7 +12,6 @@ sequence (:class:`Layout`), and per sequence otherwise (long prompts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,85 +20,10 @@ import torch.nn.functional as F
 from ..attention import attend_each, candidate_entries, select_entries
 from ..config import AttentionMode
 from ..transformer import Block, Transformer
+from .batch_layout import Layout, LongRangeRows, padded_rows, rows_at
 from .batch_slab import BatchSlab
 from .cache import Window
 from .long_range import Segment, pool_groups
-
-
-def rows_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[index]`` for a table [E, d] and an index of any shape, one row copy per
-    index (``index_select``). Advanced indexing on CPU copies element by element: at a
-    batch-16 step's sizes it was 3.5-7x slower, and a padded verify step spent more
-    time in it than in its matmuls."""
-    return table.index_select(0, index.reshape(-1)).view(*index.shape, table.shape[-1])
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The N tokens of a step whose cache reads are batched over its b sequences.
-
-    The indexer scores each sequence's queries against that sequence's keys, shared
-    by its tokens: queries laid out [b, n], each sequence's tokens from its row's start
-    (when the sequences feed different counts, a verify of each one's own number of
-    guesses, the rows' tails are padding). Everything after the scores is per token:
-    [N, ...], so a padded slot costs only its share of the scoring."""
-
-    owner: torch.Tensor  # [N]: each token's sequence
-    slots: torch.Tensor | None  # [N]: each token's place in [b * n]; None when every sequence feeds n
-    b: int
-    n: int
-
-    @classmethod
-    def of(cls, counts: Sequence[int], device: torch.device) -> Layout:
-        b, n = len(counts), max(counts)
-        owner = torch.arange(b, device=device).repeat_interleave(torch.tensor(counts, device=device))
-        slots = None if min(counts) == n else torch.cat(
-            [torch.arange(i * n, i * n + m, device=device) for i, m in enumerate(counts)])
-        return cls(owner, slots, b, n)
-
-    def padded(self, rows: torch.Tensor) -> torch.Tensor:
-        """Per-token rows [N, ...] as [b, n, ...]: each token at its slot, zeros elsewhere."""
-        if self.slots is None:
-            return rows.view(self.b, self.n, *rows.shape[1:])
-        out = rows.new_zeros(self.b * self.n, *rows.shape[1:])
-        return out.index_put_((self.slots,), rows).view(self.b, self.n, *rows.shape[1:])
-
-    def tokens(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows laid out [b, n, ...] as the tokens' [N, ...] (padding dropped)."""
-        rows = rows.flatten(0, 1)
-        return rows if self.slots is None else rows.index_select(0, self.slots)
-
-    def each(self, rows: torch.Tensor) -> torch.Tensor:
-        """Per-sequence rows [b, ...] as each token's sequence's row [N, ...]."""
-        if self.slots is None:  # a view when each sequence feeds one token
-            return rows[:, None].expand(self.b, self.n, *rows.shape[1:]).flatten(0, 1)
-        return rows.index_select(0, self.owner)
-
-    def rows_at(self, table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``table[rows[i], index[i]]`` for each token i: a table [R, E, d] of rows
-        (default: one per sequence, ``rows`` = ``owner``) and an index [N, ...] -> [N, ..., d]."""
-        rows = self.owner if rows is None else rows
-        offsets = (rows * table.shape[1]).view(-1, *[1] * (index.dim() - 1))
-        return rows_at(table.flatten(0, 1), index + offsets)
-
-
-@dataclass(frozen=True)
-class LongRangeRows:
-    """A KV source's long-range rows for a batched step: the ``entries`` and ``keys``
-    tables [R, E, d] (each sequence's rows padded, or the step's
-    :class:`~model.runtime.batch_slab.BatchSlab` buffers), ``row`` [N]: each token's
-    row of them, and ``scored`` [b, W, d]: each sequence's keys, W the most a sequence
-    has (the places past a sequence's own are masked by its queries' visibility)."""
-
-    entries: torch.Tensor
-    keys: torch.Tensor
-    row: torch.Tensor
-    scored: torch.Tensor
-
-
-def _padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    """Row lists [n_i, d] as one [b, max n_i, d] tensor, zero-padded (one list: a view)."""
-    return rows[0][None] if len(rows) == 1 else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
 @dataclass
@@ -136,29 +60,54 @@ class CachedKeys:
         self.slab_rows = self.slab.admit([s.cache for s in self.segments]) if self.slab is not None else []
 
     def attend(self, block: Block, x: torch.Tensor) -> torch.Tensor:
-        """One layer's attention over the flat batch: x [N, D] -> [N, D]. The per-token
-        work (projections, rotary, the attention itself) runs once over every
+        """One layer's attention over the flat batch, eager: x [N, D] -> [N, D]. The
+        per-token work (projections, rotary, the attention itself) runs once over every
         sequence's tokens; what reads a sequence's caches runs once over the batch or
-        per sequence."""
-        plan, attn, segments, positions = block.plan, block.attn, self.segments, self.positions
-        if plan.rope not in self.rotary:
-            self.rotary[plan.rope] = self.model.rotary[plan.rope](positions[None])
-        cos, sin = self.rotary[plan.rope]
+        per sequence (:meth:`read`). (A compiled step runs the per-token work in its
+        own functions around :meth:`read`: :class:`model.runtime.compiled.CompiledBlocks`.)"""
+        attn = block.attn
+        cos, sin = self.rotary_at(block)
+        q, q_residual = attn.queries(x[None], cos, sin)
+        window_rows = self.window_rows(block).encode(attn.window_raw(x[None], cos, sin)[0])
+        keys, mask = self.read(block, x, q_residual, window_rows, None)
+        chunk = self.query_chunk
+        return attn.output(torch.cat([
+            attend_each(q[0, i : i + chunk], keys[i : i + chunk], mask[i : i + chunk], attn.attn_sink, attn.scaling)
+            for i in range(0, len(self.positions), chunk)
+        ])[None], cos, sin)[0]
+
+    def rotary_at(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [1, N, rd] of ``block``'s rotary kind at the step's positions (made
+        once a step for each kind)."""
+        rope = block.plan.rope
+        if rope not in self.rotary:
+            self.rotary[rope] = self.model.rotary[rope](self.positions[None])
+        return self.rotary[rope]
+
+    def window_rows(self, block: Block):
+        """The first sequence's window rows at ``block``'s layer (every sequence's are in
+        the same format): what encodes the step's new rows."""
+        return self._window(block.plan.index, self.segments[0]).rows
+
+    def read(self, block: Block, x: torch.Tensor, q_residual: torch.Tensor,
+             window_rows: tuple[torch.Tensor, torch.Tensor],
+             index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cache read of one layer's attention: the step's new window rows
+        (``window_rows``: bytes [N, row bytes] and values [N, hd], every sequence's,
+        encoded at once) appended to each sequence's window, then each token's keys
+        [N, T, hd] and mask [N, T] (:meth:`_batch_keys` or :meth:`_sequence_keys`). The
+        windows are trimmed to ``sliding_window`` rows after (the keys are already read:
+        a trim only moves a window's start). ``x`` [N, D] the layer's normalised input;
+        ``q_residual`` and ``index_query`` as the queries' projection gave them."""
+        plan, segments = block.plan, self.segments
+        cos, sin = self.rotary_at(block)
         windows = [self._window(plan.index, segment) for segment in segments]
-        # Every sequence's new window rows quantised at once (row by row: the same bytes).
-        fast = self.compiled if self.compiled is not None and self.compiled.handles(len(positions)) else None
-        if fast is not None:
-            q, q_residual, window_bytes, window_values, index_query = fast.attention_in(attn, windows[0].rows, x,
-                                                                                          cos, sin)
-        else:
-            q, q_residual = attn.queries(x[None], cos, sin)
-            window_bytes, window_values = windows[0].rows.encode(attn.window_raw(x[None], cos, sin)[0])
-            index_query = None
-        place, window_rows = ("window", plan.index), [window.rows for window in windows]
-        seated = self.slab is not None and self.slab.seat(place, window_rows, self.slab_rows)
+        place, rows = ("window", plan.index), [window.rows for window in windows]
+        seated = self.slab is not None and self.slab.seat(place, rows, self.slab_rows)
         if seated:
-            self.slab.append(place, window_rows, self.slab_rows, self.counts, (window_bytes, window_values))
+            self.slab.append(place, rows, self.slab_rows, self.counts, window_rows)
         else:
+            window_bytes, window_values = window_rows
             for segment, window in zip(segments, windows):
                 window.rows.append_encoded(window_bytes[segment.lo : segment.hi],
                                            window_values[segment.lo : segment.hi])
@@ -166,21 +115,12 @@ class CachedKeys:
             keys, mask = self._batch_keys(block, windows, x, q_residual, cos, sin, index_query, seated)
         else:
             keys, mask = self._sequence_keys(block, windows, x, q_residual, cos, sin, index_query)
-        if fast is not None:
-            out = fast.attention_out(attn, q, keys, mask, cos, sin)
-        else:
-            chunk = self.query_chunk
-            out = attn.output(torch.cat([
-                attend_each(q[0, i : i + chunk], keys[i : i + chunk], mask[i : i + chunk], attn.attn_sink,
-                            attn.scaling)
-                for i in range(0, len(positions), chunk)
-            ])[None], cos, sin)[0]
         for segment, window in zip(segments, windows):
             excess = window.rows.n - self.window
             if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
                 window.rows.drop_front(excess)
                 window.start += excess
-        return out
+        return keys, mask
 
     @staticmethod
     def _window(layer: int, segment: Segment) -> Window:
@@ -218,7 +158,7 @@ class CachedKeys:
         if seated:
             window_keys = self.slab.read_windows(plan.index, windows, self.slab_rows, firsts, lengths, places)
         else:
-            window_keys = _padded([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
+            window_keys = padded_rows([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
         keys = layout.each(window_keys)  # [N, Tw, hd]
         if plan.mode is not AttentionMode.WINDOW:
             source = plan.kv_source
@@ -263,8 +203,8 @@ class CachedKeys:
         there, else every sequence's rows padded."""
         caches = [s.cache for s in self.segments]
         if not seated:
-            entries = _padded([c.entries[source].values for c in caches])
-            keys = _padded([c.keys[source].values for c in caches])
+            entries = padded_rows([c.entries[source].values for c in caches])
+            keys = padded_rows([c.keys[source].values for c in caches])
             return LongRangeRows(entries, keys, layout.owner, keys)
         entries, keys = self.slab.table(("entries", source)), self.slab.table(("keys", source))
         width = max(c.keys[source].n for c in caches)
@@ -288,17 +228,45 @@ class CachedKeys:
             empty = torch.zeros(len(positions), 0, dtype=torch.long, device=x.device)
             return empty, empty.bool()
         q, weights = index_query or indexer.query(x[None], q_residual, cos, sin)  # [1, N, H, d], [1, N, H]
+        n_visible = (positions + 1) // plan.compress_ratio
+        if self._compiled_pick(plan, layout, rows.scored.shape[1]):
+            if plan.candidate_source is not None:
+                return self.compiled.repick(plan.index, q, weights, rows.keys, rows.row, *state["candidates"],
+                                            n_visible, k)
+            if not plan.is_candidate_source:
+                return self.compiled.pick(plan.index, layout.padded(q[0]), layout.padded(weights[0]), rows.scored,
+                                          layout.padded(n_visible), k)
+            # Keys padded to whole candidate blocks (the padding is never visible), so the
+            # compiled code has no width-dependent branch; the pool is then clamped as the
+            # eager one is (candidate_entries).
+            width, block = rows.scored.shape[1], config.candidate_block_size
+            index, valid, entries, listed = self.compiled.pick(
+                plan.index, layout.padded(q[0]), layout.padded(weights[0]),
+                F.pad(rows.scored, (0, 0, 0, -width % block)), layout.padded(n_visible), k,
+                config.candidate_topk_blocks, block)
+            state["candidates"] = (entries.clamp_max(width - 1), listed & (entries < width))
+            return index, valid
         if plan.candidate_source is not None:  # a Reindex layer: each token scores its own candidates
             pool = state["candidates"]
             scores = indexer.score(q, weights, layout.rows_at(rows.keys, pool[0], rows.row)[None])[0]
         else:  # every token of a sequence against its keys: laid out [b, n]
             scores = layout.tokens(indexer.score(layout.padded(q[0]), layout.padded(weights[0]), rows.scored))
             pool = None
-        chosen = select_entries(scores, (positions + 1) // plan.compress_ratio, k, plan, config, pool,
-                                candidate_entries)
+        chosen = select_entries(scores, n_visible, k, plan, config, pool, candidate_entries)
         if chosen.pool is not None:
             state["candidates"] = chosen.pool
         return chosen.index, chosen.valid
+
+    def _compiled_pick(self, plan, layout: Layout, width: int) -> bool:
+        """Whether a batched pick runs compiled (:meth:`~model.runtime.compiled.CompiledBlocks.pick`):
+        in a compiled step, every sequence feeding as many tokens, over at least
+        ``index_topk`` keys (``width``), and a candidate source's over at least its pool."""
+        config = self.model.config
+        least = config.index_topk
+        if plan.is_candidate_source:
+            least = max(least, config.candidate_topk_blocks * config.candidate_block_size)
+        return (self.compiled is not None and self.compiled.handles(len(self.positions)) and layout.slots is None
+                and width >= least)
 
     def _sequence_keys(self, block: Block, windows: list[Window], x: torch.Tensor, q_residual: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None

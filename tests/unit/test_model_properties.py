@@ -131,16 +131,18 @@ def test_candidate_entries_list_the_candidate_blocks_pool():
 
 
 def test_top_k_takes_the_best_and_breaks_ties_toward_the_lower_index():
-    """Against the definition (sort by score, then index), on scores with many ties and
-    -inf entries; the result does not depend on where a row's ties fall."""
+    """Against the definition (sort by score, then index), on scores with many ties,
+    -inf entries and zeros of both signs (equal scores); the result does not depend on
+    where a row's ties fall."""
     from model.attention import top_k
 
     generator = torch.Generator().manual_seed(0)
     for _ in range(500):
         width = int(torch.randint(1, 40, (1,), generator=generator))
         k = int(torch.randint(1, 12, (1,), generator=generator))
-        scores = torch.randint(-3, 4, (3, width), generator=generator).float()
-        scores[scores == -3] = float("-inf")
+        scores = torch.randint(-3, 4, (3, width), generator=generator).float() / 4
+        scores[scores == -0.75] = float("-inf")
+        scores[(scores == 0) & (torch.rand(scores.shape, generator=generator) < 0.5)] = -0.0
         indices, values = top_k(scores, k)
         for row in range(3):
             ranked = sorted(range(width), key=lambda i: (-scores[row, i].item(), i))[: min(k, width)]
