@@ -101,7 +101,7 @@ class Engine:
         config = self.config
         picked = max(config.index_topk, config.candidate_topk_blocks * config.candidate_block_size)
         long = picked * max(config.compress_ratios or (1,)) + 1
-        for cache, prompt in zip(caches, ([3, 4, 5], [3 + i % 64 for i in range(long)])):
+        for cache, prompt in zip(caches, ([3, 4, 5], [8 + i % 64 for i in range(long)])):  # (no image tokens)
             self.replay(cache, self.prefill(cache, prompt))
         self.decode([(caches[0], [6])])
         self.decode([(cache, [7]) for cache in caches])

@@ -260,10 +260,11 @@ class CachedKeys:
     def _compiled_pick(self, plan, layout: Layout, width: int) -> bool:
         """Whether a batched pick runs compiled (:meth:`~model.runtime.compiled.CompiledBlocks.pick`):
         in a compiled step, every sequence feeding as many tokens, over at least
-        ``index_topk`` keys (``width``), and a candidate source's over at least its pool."""
+        ``index_topk`` keys (``width``), and a candidate source's and a Reindex layer's
+        over at least a whole pool (fewer keys list a shorter pool)."""
         config = self.model.config
         least = config.index_topk
-        if plan.is_candidate_source:
+        if plan.is_candidate_source or plan.candidate_source is not None:  # a whole pool (the packages' shape)
             least = max(least, config.candidate_topk_blocks * config.candidate_block_size)
         return (self.compiled is not None and self.compiled.handles(len(self.positions)) and layout.slots is None
                 and width >= least)

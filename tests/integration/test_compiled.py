@@ -64,6 +64,17 @@ def test_compiled_batched_decode_agrees_with_eager(engines, golden_prompts, batc
         assert (want - got).abs().max() < 1e-4
 
 
+def test_short_prompts_whose_candidate_pool_is_not_whole_yet_decode_as_eager(engines, golden_prompts):
+    """Between ``index_topk`` keys and a whole candidate pool (golden A: 8 and 3 blocks of
+    4) a candidate source lists a shorter pool; the compiled picks take whole pools only
+    (a shorter one read past its packaged shape: a served 20-token chat failed so)."""
+    eager, compiled = engines
+    prompts = [golden_prompts[0][:7], golden_prompts[1][:8]]  # 8 keys: 2 blocks listed, not 3
+    fed = [[(5 * i + 11 * step) % 4000 + 16 for step in range(4)] for i in range(2)]
+    for want, got in zip(_decode(eager, prompts, fed), _decode(compiled, prompts, fed)):
+        assert (want - got).abs().max() < 2e-4  # (measured 1.0e-4: 7-8 tokens, the fewest sums to average out)
+
+
 @pytest.mark.parametrize("which", ["eager", "compiled"])
 def test_every_window_of_a_batch_slides(engines, golden_prompts, which):
     """After each decode step every sequence's windows hold the last ``sliding_window``
