@@ -94,18 +94,18 @@ class Engine:
             cache = self.new_cache()
             self.prefill(cache, [3, 4, 5])
             self.prefill(cache, [6])
-            self.prefill(cache, [8 + i % 64 for i in range(self.compiled.max_tokens)])
+            self.prefill(cache, _filler(self.compiled.max_tokens))
             return
         caches = [self.new_cache() for _ in range(2)]
         # one with fewer keys than its indexers pick, one with more (the compiled picks)
         config = self.config
         picked = max(config.index_topk, config.candidate_topk_blocks * config.candidate_block_size)
         long = picked * max(config.compress_ratios or (1,)) + 1
-        for cache, prompt in zip(caches, ([3, 4, 5], [8 + i % 64 for i in range(long)])):  # (no image tokens)
+        for cache, prompt in zip(caches, ([3, 4, 5], _filler(long))):
             self.replay(cache, self.prefill(cache, prompt))
         self.decode([(caches[0], [6])])
         self.decode([(cache, [7]) for cache in caches])
-        self.decode([(caches[1], [8 + i % 64 for i in range(self.compiled.max_tokens)])])
+        self.decode([(caches[1], _filler(self.compiled.max_tokens))])
 
     def new_cache(self) -> SequenceCache:
         device = self.model.embed.weight.device
@@ -425,3 +425,10 @@ class Engine:
         back = max(0, start - (self.hasher.max_ngram_size - 1))
         ids = torch.tensor(token_ids[back:], dtype=torch.long, device=self.model.embed.weight.device)
         return self._hash_ids(ids, None, self._image_mask(ids))[0][:, start - back :]
+
+
+def _filler(n: int) -> list[int]:
+    """``n`` ordinary token ids for the warm-up's throwaway steps: 8..71, past the shipped
+    configs' special and image token ids (a prompt holding an image token needs its
+    image)."""
+    return [8 + i % 64 for i in range(n)]
