@@ -69,8 +69,8 @@ def test_key_hex_round_trips_and_rejects_junk() -> None:
 def test_the_mac_is_keyed_blake3_of_the_header_fields_and_payload(size: int) -> None:
     """As storage/codec.py lays it out, computed here with the blake3 package alone: the
     first 8 bytes (little-endian) of BLAKE3 keyed by the secret's derived key, over the
-    header's bytes 0..63 (magic, version, kind, flags, fingerprint, key digest, length)
-    and the payload."""
+    payload and then the header's bytes 0..63 (magic, version, kind, flags, fingerprint,
+    key digest, length)."""
     payload = random.Random(size).randbytes(size)
     secret = b"the cluster's secret, 32 bytes!!"
     key = chunk_keys(FP, range(16), 16)[0]
@@ -79,9 +79,9 @@ def test_the_mac_is_keyed_blake3_of_the_header_fields_and_payload(size: int) -> 
     fields = b"V41K" + FORMAT_VERSION.to_bytes(2, "little") + bytes([int(Kind.CHUNK), 0]) + FP.digest + key.digest
     fields += size.to_bytes(8, "little")
     assert blob[:64] == fields
-    assert blob[64:72] == blake3.blake3(fields + payload, key=derived).digest(8)
+    assert blob[64:72] == blake3.blake3(payload + fields, key=derived).digest(8)
     unkeyed = Codec(FP).header(key, payload)  # no secret: keyed by the (public) fingerprint
-    assert unkeyed[64:72] == blake3.blake3(fields + payload, key=blake3.blake3(
+    assert unkeyed[64:72] == blake3.blake3(payload + fields, key=blake3.blake3(
         FP.digest, derive_key_context="v41 2026-12-06 store object MAC").digest()).digest(8) != blob[64:72]
 
 
@@ -144,7 +144,7 @@ def test_torn_swapped_and_foreign_objects_are_caught() -> None:
         _open(codec, k2, blob)  # stored under another key
     with pytest.raises(CorruptObject):
         _open(Codec(Fingerprint(hashlib.blake2b(b"x", digest_size=16).digest())), k1, blob)
-    for version in (1, 2, FORMAT_VERSION + 1):  # page sums, XXH3, and a later one (crc fixed up)
+    for version in (1, 2, 3, FORMAT_VERSION + 1):  # page sums, XXH3, fields-first MAC, a later one (crc fixed up)
         other = bytearray(blob)
         other[4:6] = version.to_bytes(2, "little")
         other[76:80] = zlib.crc32(bytes(other[:76])).to_bytes(4, "little")
