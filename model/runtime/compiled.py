@@ -3,26 +3,21 @@
 A decode step on a small model is bound by dispatch, not arithmetic: each layer runs
 two mHC mixes (a 24-wide projection and 20 Sinkhorn normalisations of a 4x4 matrix
 per token), two collapses and expansions of the streams, two RMS norms and the MoE
-(router, top-k, a dispatch loop over experts), hundreds of tiny ops. Here a layer over
-the engine's caches is two compiled functions of tensors around its cache reads:
-:func:`_layer_in`, the work before attention (the attention site's mixes, collapse,
-norm) and the attention's input (queries, the new window rows and their FP8 bytes, the
-indexer's query of a layer that runs one); and :func:`_layer_out`, each token's
-attention over the keys the engine gathered for it, the output projection and the work
-after it (expand, the FFN site's mixes, collapse, norm, the MoE, expand). Each is
-compiled by ``torch.compile`` (inductor: C++ on CPU, Triton on CUDA) with dynamic token
-counts, so a batch of any size reuses the same code; two calls a layer, not four,
-because each call costs ~40-90 us however little it computes. A fifth function pools
-and encodes a Full layer's groups completed in the step, and a sixth is a DSpark
-drafter layer's attention (each request's block over its drafter context and its own
-window entries: one call instead of ~40 eager ops, 0.8 ms of a 2.9 ms draft at batch
-1); the drafter's layers run the work before and after attention as two more
-(:func:`_before_attention`, :func:`_after_attention`). What reads the caches between
+(router, top-k, a dispatch loop over experts), hundreds of tiny ops.
+:class:`CompiledBlocks` runs them as the functions of tensors in
+:mod:`model.runtime.step_functions`, each compiled with dynamic token counts, so a
+batch of any size reuses the same code. Over the engine's caches a layer is two calls,
+the work before its cache reads and the work after them, not four, because each call
+costs ~40-90 us at batch 1 however little it computes. What reads the caches between
 them (window places, the gathers) stays eager, in
 :meth:`model.runtime.gather.CachedKeys.read`, but for the indexer's pick of a batched
-step: its scores, candidate blocks and top-k are one call (:func:`_pick`; a Reindex
-layer's, over its candidates' keys, :func:`_repick`), with the selection rule of the
-eager path (:func:`model.attention.top_k` has no branch and no read back to the host).
+step: its scores, candidate blocks and top-k are one call (a Reindex layer's, over its
+candidates' keys, another), with the selection rule of the eager path
+(:func:`model.attention.top_k` has no branch and no read back to the host). A Full
+layer's pooling of the groups completed in the step is one more call, and a DSpark
+drafter layer's attention another (each request's block over its drafter context and
+its own window entries: one call instead of ~40 eager ops, 0.8 ms of a 2.9 ms draft at
+batch 1); the drafter's layers run the work before and after attention as two more.
 
 By default (``mode="aot"``) each function is built ahead of time by AOTInductor into a
 package kept on disk (:mod:`model.runtime.aot`), one per signature: a call then costs
@@ -31,24 +26,15 @@ and Python wrapper run on every call. Packages are built by the first call of ea
 variant, which :meth:`~model.runtime.engine.Engine.warm_compiled` makes at replica
 start: ~2.5 minutes for configs/small's 9 packages (and the drafter's with
 :meth:`~model.runtime.speculative.SpeculativeDrafter.warm_compiled`), 2-5 s to load
-them afterwards.
-``mode="jit"`` keeps ``torch.compile``.
+them afterwards. ``mode="jit"`` keeps ``torch.compile``.
 
-No shape in the MoE here depends on the routing. With fewer routed slots (tokens x
-``k``) than experts it gathers each token's ``k`` experts' weights ([N, k, inter,
-hidden]) and contracts them; with more, every expert runs on every token and the
-experts a token was not routed to weigh 0 (each expert's weights read once, not once
-per slot: three matrix products over the experts side by side). Both are forms for
-the few tokens of a decode or verify step (``max_tokens``: 16 requests verifying 7
-guesses each), not for a long prefill, which keeps the eager block. The experts'
-weights are stacked once per layer (w1 and w3 [E, inter, hidden], w2 [hidden, E,
-inter]) and the experts' parameters re-seated as views of the stacks (one copy, and a
-weight loaded later into a parameter lands in the stack too).
-
-The eager :class:`model.transformer.Block` stays the oracle: the two paths compute
-the same formulas, but fused reductions and the gathered experts add in a different
-order, so they agree to float rounding (tests compare logits with the golden
-tolerances and greedy tokens exactly on the shipped checkpoint), not bit for bit.
+The routed experts' weights are stacked once per layer (w1 and w3 [E, inter, hidden],
+w2 [hidden, E, inter]) for the MoE forms of
+:func:`~model.runtime.step_functions.after_attention`, and the experts' parameters
+re-seated as views of the stacks (one copy, and a weight loaded later into a parameter
+lands in the stack too). The eager :class:`model.transformer.Block` stays the oracle:
+tests compare logits with the golden tolerances and greedy tokens exactly on the
+shipped checkpoint.
 """
 
 from __future__ import annotations
@@ -58,151 +44,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from model import attention, formats, mhc, moe, norm
 from model.attention import CSA2Attention
 from model.formats import BlockFormat
-from model.moe import MoE, expert, route, swiglu
-from model.norm import rms_norm
-from model.runtime import aot, batch_layout, cache
-from model.runtime.cache import PackedRows, encode_rows
+from model.moe import MoE
+from model.runtime import aot, batch_layout, cache, step_functions
+from model.runtime.cache import PackedRows
 from model.runtime.gather import CachedKeys
+from model.runtime.step_functions import (after_attention, before_attention, draft_attention, layer_in, layer_out,
+                                          pick, pool_groups, repick)
 from model.transformer import Block, Keys, Transformer
-
-
-def _before_attention(streams, pre, fn, scale, base, norm_weight, iters: int, hc_eps: float, norm_eps: float):
-    """The attention site's mixes and the normalised attention input."""
-    attn_pre, attn_post, attn_comb = mhc.hc_mixes(streams, fn, scale, base, iters, hc_eps, norm_eps)
-    return rms_norm(mhc.collapse(streams, pre), norm_weight, norm_eps), attn_pre, attn_post, attn_comb
-
-
-def _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, base, norm_weight,
-                     router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2,
-                     iters: int, hc_eps: float, norm_eps: float, top_k: int, scoring_func: str, gate_temp: float,
-                     norm_topk_prob: bool, scaling: float, limit: float):
-    """Expand the attention output into the streams, then the MoE sublayer under mHC:
-    returns (streams, the next site's ``pre``)."""
-    streams = mhc.expand(out, streams, attn_post, attn_comb)
-    ffn_pre, ffn_post, ffn_comb = mhc.hc_mixes(streams, fn, scale, base, iters, hc_eps, norm_eps)
-    x = rms_norm(mhc.collapse(streams, attn_pre), norm_weight, norm_eps)
-    weights, indices = route(x, router_weight, router_bias.float(), top_k, scoring_func, gate_temp, norm_topk_prob,
-                             scaling)
-    shared = expert(x, shared_w1, shared_w3, shared_w2, limit).float()
-    experts, inter = w1.shape[0], w1.shape[1]
-    if x.shape[0] * top_k < experts:  # few tokens: each token's k experts, gathered
-        gate = torch.einsum("nd,nkid->nki", x, w1[indices]).float()
-        up = torch.einsum("nd,nkid->nki", x, w3[indices]).float()
-        hidden = swiglu(gate, up, limit, weights.unsqueeze(-1)).to(x.dtype)
-        routed = torch.einsum("nki,nkdi->nd", hidden, w2.transpose(0, 1)[indices]).float()
-    else:  # as many routed slots as experts: every expert on every token, the unrouted weighted 0,
-        # as three matrix products over the experts side by side ([E * inter, D] and [D, E * inter])
-        dense = torch.zeros(x.shape[0], experts, dtype=weights.dtype, device=x.device)
-        dense = dense.scatter(1, indices, weights)
-        gate = F.linear(x, w1.flatten(0, 1)).unflatten(-1, (experts, inter)).float()
-        up = F.linear(x, w3.flatten(0, 1)).unflatten(-1, (experts, inter)).float()
-        hidden = swiglu(gate, up, limit, dense.unsqueeze(-1)).to(x.dtype)
-        routed = F.linear(hidden.flatten(1), w2.flatten(1)).float()
-    return mhc.expand((routed + shared).to(x.dtype), streams, ffn_post, ffn_comb), ffn_pre
-
-
-def _attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads: int, eps: float,
-                  window_format: BlockFormat | None, payload: int, index_wq_b, index_weights, index_heads: int):
-    """Queries, their low-rank residual, the new window rows of ``x`` [N, D] (encoded:
-    bytes and values in ``window_format``; raw and None without one) and, for a layer
-    that runs its indexer (``index_wq_b`` given), the indexer's queries and head weights."""
-    q, q_residual = attention.queries(x[None], cos, sin, wq_a, q_norm, wq_b, n_heads, eps)
-    rows = attention.window_raw(x[None], cos, sin, wkv, kv_norm, eps)[0]
-    index_query = None
-    if index_wq_b is not None:
-        index_query = attention.indexer_query(x[None], q_residual, cos, sin, index_wq_b, index_weights, index_heads)
-    if window_format is None:
-        return q, q_residual, rows, None, index_query
-    return q, q_residual, *encode_rows(window_format, payload, rows), index_query
-
-
-def _draft_attention(x, cos, sin, context, in_window, wq_a, q_norm, wq_b, wkv, kv_norm, sink, wo_a, wo_b,
-                     n_heads: int, eps: float, kv_eps: float, scaling: float, o_groups: int):
-    """A DSpark drafter layer's attention (:meth:`model.dspark.DSparkDrafter.draft`): each
-    request's block ``x`` [B, K, D] over its context entries [B, T, hd] where
-    ``in_window`` [B, T], and over the whole block's own FP8 window entries: [B, K, D]."""
-    k = x.shape[1]
-    q, _ = attention.queries(x, cos, sin, wq_a, q_norm, wq_b, n_heads, eps)
-    own = formats.WINDOW_KV.fake_quant(attention.window_raw(x, cos, sin, wkv, kv_norm, kv_eps))
-    keys = torch.cat((context.to(x.dtype), own), dim=1)
-    block = torch.ones_like(in_window[:, :1, None]).expand(-1, k, k)  # the whole block, both ways
-    mask = torch.cat((in_window.unsqueeze(1).expand(-1, k, -1), block), dim=-1)
-    return attention.output(attention.attend(q, keys, mask, sink, scaling), cos, sin, wo_a, wo_b, o_groups)
-
-
-def _pool_groups(rows, cos, sin, wkv, wgate, norm, ratio: int, eps: float, wk, k_norm, k_eps: float,
-                 entry_format: BlockFormat | None, entry_payload: int, key_format: BlockFormat | None,
-                 key_payload: int):
-    """A Full layer's new long-range entries and indexer keys from whole pooling groups
-    ``rows`` [B, G * ratio, D] (cos/sin at each group's first position), each encoded
-    (bytes, values) in its format, or raw (and None) without one: [B * G, ...]."""
-    latent = attention.pool_latents(rows, wkv, wgate, norm, ratio, eps)
-    entries = attention.CSA2Attention.compressed_raw(latent, cos, sin).flatten(0, 1)
-    keys = attention.index_keys_raw(latent, cos, sin, wk, k_norm, k_eps).flatten(0, 1)
-    return ((entries, None) if entry_format is None else encode_rows(entry_format, entry_payload, entries),
-            (keys, None) if key_format is None else encode_rows(key_format, key_payload, keys))
-
-
-def _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_groups: int):
-    """Each token's attention over its own keys [N, T, hd] (mask [N, T]), projected out: [N, D]."""
-    out = attention.attend_each(q[0], keys, mask, sink, scaling)
-    return attention.output(out[None], cos, sin, wo_a, wo_b, o_groups)[0]
-
-
-def _layer_in(streams, pre, fn, scale, base, norm_weight, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, iters: int,
-              hc_eps: float, norm_eps: float, n_heads: int, eps: float, window_format: BlockFormat | None,
-              payload: int, index_wq_b, index_weights, index_heads: int):
-    """A layer's work before its cache reads, in one call: :func:`_before_attention`
-    then :func:`_attention_in` of its output: (x, its three mixes, then what
-    :func:`_attention_in` returns)."""
-    x, attn_pre, attn_post, attn_comb = _before_attention(streams, pre, fn, scale, base, norm_weight, iters, hc_eps,
-                                                          norm_eps)
-    return (x, attn_pre, attn_post, attn_comb,
-            *_attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads, eps, window_format, payload,
-                           index_wq_b, index_weights, index_heads))
-
-
-def _layer_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, streams, attn_pre, attn_post, attn_comb, fn, scale, base,
-               norm_weight, router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, scaling: float,
-               o_groups: int, iters: int, hc_eps: float, norm_eps: float, top_k: int, scoring_func: str,
-               gate_temp: float, norm_topk_prob: bool, moe_scaling: float, limit: float):
-    """A layer's work after its cache reads, in one call: :func:`_attention_out` then
-    :func:`_after_attention`: (streams, the next site's ``pre``)."""
-    out = _attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling, o_groups)
-    return _after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, base, norm_weight, router_weight,
-                            router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, iters, hc_eps, norm_eps, top_k,
-                            scoring_func, gate_temp, norm_topk_prob, moe_scaling, limit)
-
-
-def _pick(q, weights, keys, n_visible, k: int, topk_blocks: int, block: int):
-    """An indexer's pick over its own keys for the n new tokens of each of b sequences:
-    queries ``q`` [b, n, H, d] weighted [b, n, H] against each sequence's keys
-    [b, W, d], the first ``n_visible`` [b, n] of them visible to each token: (entries
-    [b * n, k] ascending, valid [b * n, k]), and for a candidate source (``topk_blocks``
-    > 0) its listed pool (entries [b * n, P], valid), as
-    :func:`model.attention.select_entries` picks them."""
-    scores = attention.unseen_masked(attention.index_scores(q, weights, keys), n_visible).flatten(0, 1)
-    top, values = attention.top_k(scores, k)
-    if not topk_blocks:
-        return top, values > float("-inf")
-    return top, values > float("-inf"), *attention.candidate_entries(scores, n_visible.flatten(), topk_blocks, block)
-
-
-def _repick(q, weights, table, rows, entries, valid, n_visible, k: int):
-    """A Reindex layer's pick among each token's candidates: queries ``q`` [1, N, H, d]
-    weighted [1, N, H] against the keys of its pool's ``entries`` [N, P] (``valid``)
-    in its row ``rows`` [N] of ``table`` [R, E, d], ``n_visible`` [N]: (entries [N, k]
-    ascending by pool place, valid [N, k]), as :func:`model.attention.select_entries`
-    picks them."""
-    scores = attention.index_scores(q, weights, batch_layout.table_rows(table, entries, rows)[None])[0]
-    top, values = attention.top_k(attention.pool_masked(scores, entries, valid, n_visible), k)
-    return entries.gather(-1, top), values > float("-inf")
-
 
 def _stack_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routed experts' weights stacked: w1 and w3 [E, inter, hidden], w2 [hidden, E,
@@ -245,12 +97,12 @@ class CompiledBlocks:
             raise ValueError(f"compiled mode {mode!r}: 'aot' or 'jit'")
         self.max_tokens, self.mode = max_tokens, mode
         self.cache_dir = (cache_dir or aot.default_cache_dir()) if mode == "aot" else None
-        functions = {"before": _before_attention, "after": _after_attention, "layer_in": _layer_in,
-                     "layer_out": _layer_out, "pick": _pick, "repick": _repick, "pool_groups": _pool_groups,
-                     "draft_attention": _draft_attention}
+        functions = {"before": before_attention, "after": after_attention, "layer_in": layer_in,
+                     "layer_out": layer_out, "pick": pick, "repick": repick, "pool_groups": pool_groups,
+                     "draft_attention": draft_attention}
         if mode == "aot":
-            digest = aot.source_digest([sys.modules[__name__], attention, mhc, moe, norm, formats, cache,
-                                        batch_layout])
+            digest = aot.source_digest([sys.modules[__name__], step_functions, attention, mhc, moe, norm, formats,
+                                        cache, batch_layout])
             self.functions: dict[str, Callable] = {
                 name: aot.AotFunction(fn, self.cache_dir, digest) for name, fn in functions.items()}
         else:
@@ -293,7 +145,8 @@ class CompiledBlocks:
 
     @staticmethod
     def _attention_in_args(attn: CSA2Attention, window: PackedRows) -> tuple[tuple, tuple]:
-        """:func:`_attention_in`'s arguments after (x, cos, sin): (the weights, the rest)."""
+        """:func:`~model.runtime.step_functions.attention_in`'s arguments after (x, cos, sin):
+        (the weights, the rest)."""
         indexer = attn.indexer
         blocked = isinstance(window.fmt, BlockFormat)  # (a float32 cache: tiny test configs)
         index = (None, None, 0) if indexer is None else (indexer.wq_b.weight, indexer.weights_proj.weight,
@@ -303,14 +156,14 @@ class CompiledBlocks:
 
     def pick(self, layer: int, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor,
              k: int, topk_blocks: int = 0, block: int = 1) -> tuple[torch.Tensor, ...]:
-        """:func:`_pick` of ``layer``'s indexer: queries [b, n, H, d], weights [b, n, H],
+        """:func:`pick` of ``layer``'s indexer: queries [b, n, H, d], weights [b, n, H],
         keys [b, W, d] (W at least ``k``), ``n_visible`` [b, n]; a candidate source's
         ``topk_blocks`` and ``block`` (its keys whole blocks, at least ``topk_blocks``)."""
         return self._pick(layer, lambda: self._pick_dims(k, topk_blocks, block), q, weights, keys, n_visible, k,
                           topk_blocks, block)
 
     def _pick_dims(self, k: int, topk_blocks: int, block: int) -> aot.Dims:
-        """:func:`_pick`'s sequences, tokens per sequence and key width: at least ``k``
+        """:func:`pick`'s sequences, tokens per sequence and key width: at least ``k``
         and ``topk_blocks`` whole blocks of ``block``."""
         sequences, each = aot.Dynamic("b", 1, self.max_tokens), aot.Dynamic("n", 1, self.max_tokens)
         width = aot.Dynamic("w", max(-(-k // block), topk_blocks), (1 << 24) // block, block)
@@ -319,11 +172,11 @@ class CompiledBlocks:
 
     def repick(self, layer: int, q: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                entries: torch.Tensor, valid: torch.Tensor, n_visible: torch.Tensor, k: int):
-        """:func:`_repick` of ``layer``'s indexer (a Reindex layer's)."""
+        """:func:`repick` of ``layer``'s indexer (a Reindex layer's)."""
         return self._repick(layer, self._repick_dims, q, weights, table, rows, entries, valid, n_visible, k)
 
     def _repick_dims(self) -> aot.Dims:
-        """:func:`_repick`'s token count, and the table's rows and places."""
+        """:func:`repick`'s token count, and the table's rows and places."""
         tokens = aot.Dynamic("n", 1, self.max_tokens)
         return {0: {1: tokens}, 1: {1: tokens}, 2: {0: aot.Dynamic("r", 1, 1 << 16), 1: aot.Dynamic("e", 1, 1 << 24)},
                 3: {0: tokens}, 4: {0: tokens}, 5: {0: tokens}, 6: {0: tokens}}
@@ -358,14 +211,14 @@ class CompiledBlocks:
                  engram_rows: torch.Tensor | None = None):
         """:meth:`Block.forward` (no image tokens) reading ``keys``: (streams, the next
         ``pre``). Over the engine's caches (:class:`~model.runtime.gather.CachedKeys`) a
-        layer is two calls, :func:`_layer_in` and :func:`_layer_out`, around the cache
+        layer is two calls, :func:`layer_in` and :func:`layer_out`, around the cache
         reads; over other keys, four, their ``attend`` between."""
         if block.engram is not None:
             streams = block.engram(streams, engram_rows, None)
         before, after, routing = self._weights[block.plan.index]
         index = block.plan.index
         experts = after[6].shape[0]
-        gathered = streams.shape[0] * routing[0] < experts  # the MoE's form (see _after_attention)
+        gathered = streams.shape[0] * routing[0] < experts  # the MoE's form (see after_attention)
         moe_dims = lambda: self._moe_dims(gathered, routing[0], experts)  # noqa: E731
         if not isinstance(keys, CachedKeys):
             x, attn_pre, attn_post, attn_comb = self._before(index, lambda: self._token_dims, streams, pre, *before,
@@ -385,7 +238,7 @@ class CompiledBlocks:
                                attn_post, attn_comb, *after, attn.scaling, attn.o_groups, *self._mhc, *routing)
 
     def _layer_out_dims(self, moe_dims: aot.Dims) -> aot.Dims:
-        """:func:`_layer_out`'s dynamic dimensions: the token count (in the MoE form's
+        """:func:`layer_out`'s dynamic dimensions: the token count (in the MoE form's
         range) of the queries, keys, mask, cos, sin, streams and mixes; the keys' width."""
         tokens, keys = moe_dims[0][0], self._keys_width
         return {0: {1: tokens}, 1: {0: tokens, 1: keys}, 2: {0: tokens, 1: keys}, 3: {1: tokens}, 4: {1: tokens},
