@@ -20,7 +20,9 @@ MAC: the first 8 bytes of keyed BLAKE3 (the ``blake3`` package) over the payload
 followed by bytes 0..63 of the header (the object's kind, model, name and length). The
 payload comes first so that it starts at BLAKE3's chunk 0: after a 64-byte prefix the
 hash can only take the payload's chunks in small aligned groups, and a 16 KiB MAC cost
-~8.6 us instead of ~4.9 (format 3 hashed the fields first). Its key is
+~8.6 us instead of ~4.9 (format 3 hashed the fields first). The fields are the last 64
+bytes hashed and hold the payload's length, so the split of the input is never
+ambiguous. Its key is
 derived from the cluster's secret (the app's ``cache_secret_file``, which every node's
 store reads): an object planted by whoever can write Redis or a cache file, but does
 not hold the secret, fails it, reads as a miss and is counted as corrupt, however well
