@@ -295,6 +295,12 @@ class TextConfig:
         return tuple(eos) if isinstance(eos, tuple) else (() if eos is None else (eos,))
 
     @property
+    def candidate_pool(self) -> int:
+        """Entries in a whole candidate pool: ``candidate_topk_blocks`` blocks of
+        ``candidate_block_size``."""
+        return self.candidate_topk_blocks * self.candidate_block_size
+
+    @property
     def decoder_start(self) -> int:
         """First layer of the CED decoder half, the layers the decoder pool replays over a
         prompt's tail.

@@ -99,7 +99,7 @@ class Engine:
         caches = [self.new_cache() for _ in range(2)]
         # one with fewer keys than its indexers pick, one with more (the compiled picks)
         config = self.config
-        picked = max(config.index_topk, config.candidate_topk_blocks * config.candidate_block_size)
+        picked = max(config.index_topk, config.candidate_pool)
         long = picked * max(config.compress_ratios or (1,)) + 1
         for cache, prompt in zip(caches, ([3, 4, 5], _filler(long))):
             self.replay(cache, self.prefill(cache, prompt))

@@ -265,7 +265,7 @@ class CachedKeys:
         config = self.model.config
         least = config.index_topk
         if plan.is_candidate_source or plan.candidate_source is not None:  # a whole pool (the packages' shape)
-            least = max(least, config.candidate_topk_blocks * config.candidate_block_size)
+            least = max(least, config.candidate_pool)
         return (self.compiled is not None and self.compiled.handles(len(self.positions)) and layout.slots is None
                 and width >= least)
 
