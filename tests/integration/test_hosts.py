@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -90,12 +91,23 @@ def test_a_run_killed_half_way_is_cleaned_by_the_next(tmp_path):
         maker.wait()
     left = _of_run(242)
     assert left == ["v41h-242-h0", "v41h-242-sw", "v41h-242-w1"]
-    sleeper = subprocess.run(["ip", "netns", "pids", "v41h-242-w1"], capture_output=True, text=True).stdout.split()
+    sleeper = _pids_in("v41h-242-w1")
     assert len(sleeper) == 1 and (hosts.RUNS / "v41h-242").is_dir()
     with Hosts(1, run=242):  # the next run of that number cleans first
         assert _of_run(242) == left
     assert _of_run(242) == [] and not (hosts.RUNS / "v41h-242").exists()
     assert not _running(int(sleeper[0]))  # killed (at most a zombie its new parent has not reaped yet)
+
+
+def _pids_in(namespace: str, wait_s: float = 10.0) -> list[str]:
+    """The processes in ``namespace``, once there is one: ``ip netns exec`` enters it a
+    moment after it was started (longer on a loaded machine)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+        if pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.05)
 
 
 def _of_run(run: int) -> list[str]:
