@@ -7,6 +7,7 @@ marker) is made with these modes from creation on, never widened and then narrow
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 PRIVATE_DIR = 0o700
@@ -26,6 +27,29 @@ def make_private_dirs(directory: Path) -> None:
             os.mkdir(path, PRIVATE_DIR)
         except FileExistsError:
             pass  # made meanwhile (another store): checked by whoever uses it
+
+
+def why_not_private(directory: Path) -> str | None:
+    """None if no one but this process's user and root can change what ``directory``
+    holds (the real folder, links resolved): it is the user's own and 0700, and every
+    folder above it is root's or the user's and writable by no one else, unless sticky
+    as /tmp is (its other users can then neither rename nor remove the user's entries).
+    Else the first reason it is not, naming the folder."""
+    uid = os.geteuid()
+    path = os.path.realpath(directory)
+    info = os.stat(path)
+    if info.st_uid != uid:
+        return f"{path} belongs to uid {info.st_uid}, not {uid}"
+    if info.st_mode & 0o077:
+        return f"{path} has mode {stat.S_IMODE(info.st_mode):04o}, not 0700"
+    while path != (parent := os.path.dirname(path)):
+        path = parent
+        info = os.stat(path)
+        if info.st_uid not in (0, uid):
+            return f"{path} belongs to uid {info.st_uid}"
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: others can write it"
+    return None
 
 
 def write_private(path: Path, data: bytes) -> None:

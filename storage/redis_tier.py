@@ -1,7 +1,7 @@
 """Redis object tier: chunk bytes shared by every node, for small deployments.
 
 Each object is one string ``{ns}:{kind}:{hex}``: its last use (8 bytes, float64 LE,
-from the store's clock) followed by the envelope (80-byte header and payload). One
+from the store's clock) followed by the envelope (88-byte header and payload). One
 string per object lets a batch of reads be one ``MGET``, which redis-py sends and
 parses several times faster than a pipeline of per-object commands. The key's Redis
 TTL is the tier's retention, refreshed with the last use (``SETRANGE`` of the first 8

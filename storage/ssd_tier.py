@@ -14,17 +14,25 @@ final name, so a reader sees the old file, the new file or none, never a torn on
 writer killed before the rename leaves only a temp file, which GC removes once its
 process is gone (or after ``temp_grace_s``).
 
+A read checks the header and the payload's checksum (storage/codec.py), and the keyed MAC
+instead where the folder is not private (``why_not_private``: ours, 0700, and no one
+else can write any folder above it): in a private folder only the store's own user,
+who can read the cluster's secret, or root can have written a file, so the MAC would
+catch nothing the checksum does not, and it costs a 16 KiB read a third of its time.
+Either way a file is bound to its name, and a torn or flipped one reads as a miss.
+
 Last use is the file's mtime, set from the store's clock. The in-memory index holds
 the exact time; a read rewrites the mtime only when it is ``touch_interval_s`` stale,
 so a read is one open, one pread (two above 32 KiB, so the payload is read straight
 into the bytes returned) and one close; no stat. After a restart the index is rebuilt from a
-scan of the files (name, size, mtime); headers and checksums are verified on each read.
+scan of the files (name, size, mtime); headers and payloads are verified on each read.
 """
 
 from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import threading
 import time
@@ -36,7 +44,7 @@ from storage.codec import HEADER_BYTES, Codec, CorruptObject
 from storage.keys import Kind, ObjectKey
 from storage.metrics import TierCounters
 from storage.policy import FsyncPolicy, RetentionPolicy, TierName
-from storage.private import PRIVATE_FILE, make_private_dirs
+from storage.private import PRIVATE_FILE, make_private_dirs, why_not_private
 from storage.tier import LocalTier, OnDrop, payload_size
 from storage.sized import SizedPayload
 
@@ -49,6 +57,8 @@ _KIND_OF_SUFFIX = {suffix: kind for kind, suffix in _SUFFIX.items()}
 _TEMP_SUFFIX = ".tmp"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _ONE_READ_BYTES = 32 << 10  # up to this file size a read is one pread plus a small slice
+
+logger = logging.getLogger(__name__)
 
 
 def write_all(fd: int, buffers: Sequence[bytes]) -> None:
@@ -90,8 +100,14 @@ class SsdTier(LocalTier):
 
     def __init__(self, root: Path, codec: Codec, policy: RetentionPolicy, clock: Callable[[], float],
                  counters: TierCounters, on_drop: OnDrop, write_file: WriteFile = write_all) -> None:
-        self._dir = Path(root) / "objects"
+        make_private_dirs(Path(root) / "objects")
+        # The real folder, whose privacy is checked once: no link on the way can be swapped later.
+        self._dir = Path(os.path.realpath(Path(root) / "objects"))
         self._prefix = str(self._dir)  # paths are built as strings: pathlib costs more than a read
+        not_private = why_not_private(self._dir)
+        self.verifies_mac = not_private is not None
+        if not_private is not None:
+            logger.warning("SSD tier: reads check the keyed MAC, not the faster checksum, because %s", not_private)
         self._codec = codec
         self._policy = policy
         # Seconds per kind kept here (a kind not in it is not kept: V4.1's window states).
@@ -115,8 +131,8 @@ class SsdTier(LocalTier):
 
     def _scan(self) -> None:
         """Rebuild the index from the files; delete those whose retention ran out."""
-        make_private_dirs(self._dir)
         now = self._clock()
+        uid = os.geteuid()
         found: list[tuple[float, bytes, _Entry]] = []
         for path in self._walk():
             name = os.path.basename(path)
@@ -131,8 +147,8 @@ class SsdTier(LocalTier):
                 stat = os.stat(path)
             except (ValueError, OSError):
                 continue  # not ours, or gone meanwhile
-            if path != self._path(key.hex, kind):
-                continue
+            if path != self._path(key.hex, kind) or stat.st_uid != uid:
+                continue  # another user's file: not ours to read or delete
             retention = self._retention.get(kind)
             if retention is None or now - stat.st_mtime > retention:
                 self._unlink(path)
@@ -228,15 +244,16 @@ class SsdTier(LocalTier):
             self._drop(key, entry, None)  # deleted behind our back: heal the index
             return None
         codec = self._codec
+        mac = self.verifies_mac
         try:
             # Read one byte past the expected end: getting it means trailing junk.
             if entry.size <= _ONE_READ_BYTES:  # one syscall; copying the payload out is cheaper than a second
                 data = os.pread(fd, entry.size + 1, 0)
-                payload = codec.check(key, data).tobytes()
+                payload = codec.check(key, data, 0, mac).tobytes()
             else:  # two syscalls, so that the payload is read straight into the bytes returned
                 header = codec.check_header(key, os.pread(fd, HEADER_BYTES, 0))
                 payload = os.pread(fd, header[0] + 1, HEADER_BYTES)
-                codec.check_payload(key, header, payload)
+                codec.check_payload(key, header, payload, mac)
         except (CorruptObject, OSError):
             self._drop(key, entry, "corrupt")
             return None

@@ -405,6 +405,12 @@ class TieredStore:
             self._counters[TierName(tier)].add(**values)
         self._gc_runs = state["gc_runs"]
 
+    @property
+    def ssd_verifies_mac(self) -> bool:
+        """Whether SSD reads check the keyed MAC (a cache folder others could write), not
+        the checksum (a private one; storage/ssd_tier.py). False without an SSD tier."""
+        return self._ssd is not None and self._ssd.verifies_mac
+
     def stats(self) -> StoreStats:
         """A snapshot of every counter."""
         objects, stored = {}, {}

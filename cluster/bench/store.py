@@ -3,9 +3,11 @@
 For chunk-sized objects, each tier of the store is timed against the plain operation
 it is built on, on the same bytes, the same number of objects, in the same run:
 
-    ram    TieredStore with host RAM only      vs  copying the bytes in memory
-    ssd    TieredStore with SSD only (no RAM)  vs  open/read/close (open/write/close) of files
-    redis  TieredStore with Redis bytes only   vs  redis-py pipelined GET/SET, same batch size
+    ram      TieredStore with host RAM only      vs  copying the bytes in memory
+    ssd      TieredStore with SSD only (no RAM)  vs  open/read/close (open/write/close) of files
+    ssd-mac  the same, GET only, in a folder others can write (0770), where a read checks
+             the keyed MAC instead of the checksum (storage/ssd_tier.py)
+    redis    TieredStore with Redis bytes only   vs  redis-py pipelined GET/SET, same batch size
 
 Store GETs use ``get_many`` in batches of 64, the way the engine reads a prefix's
 chunks, and raw GETs likewise keep each batch of 64 objects alive until the batch is
@@ -21,6 +23,7 @@ returns. The embedded redis-server is started and stopped here. The headline rat
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -137,8 +140,7 @@ def _ssd_rows(objects: _Objects, size_kib: int, reps: int, root: Path) -> list[R
     raw_dir.mkdir(parents=True, exist_ok=True)
     paths = [raw_dir / f"{i:05d}" for i in range(objects.count)]
     payloads = objects.payloads
-    config = StoreConfig("bench", ssd_dir=root / "store", retention=RetentionPolicy(ram_capacity_bytes=0))
-    with TieredStore(config, _FP) as store:
+    with _ssd_store(root / "store", 0o700) as store:
         store_put = _store_put(store, objects, flush=True)
 
         def raw_put(rep: int) -> None:
@@ -157,20 +159,42 @@ def _ssd_rows(objects: _Objects, size_kib: int, reps: int, root: Path) -> list[R
         store_put(0)
         raw_put(0)
 
-        def store_get(rep: int) -> None:
-            for start in range(0, len(keys), _BATCH):
-                store.get_many(keys[start:start + _BATCH])
+        get = _ssd_get(store, keys, paths, objects, reps)
+    with _ssd_store(root / "store-mac", 0o770) as mac_store:
+        _store_put(mac_store, objects, flush=True)(0)
+        mac_get = _ssd_get(mac_store, keys, paths, objects, reps)
+    return [Row("ssd", size_kib, "put", *put), Row("ssd", size_kib, "get", *get),
+            Row("ssd-mac", size_kib, "get", *mac_get)]
 
-        def raw_get(rep: int) -> None:
-            for start in range(0, len(paths), _BATCH):
-                batch = []
-                for path in paths[start:start + _BATCH]:
-                    with open(path, "rb") as f:
-                        batch.append(f.read())
 
-        get = _compare(store_get, raw_get, objects.nbytes, reps)
-        assert store.get(keys[0]) == payloads[0]
-    return [Row("ssd", size_kib, "put", *put), Row("ssd", size_kib, "get", *get)]
+def _ssd_store(folder: Path, mode: int) -> TieredStore:
+    """An SSD-only store in ``folder``, made with ``mode``: 0700 reads check the
+    checksum, one others can write (0770) the MAC."""
+    folder.mkdir(mode=0o700)
+    folder.chmod(mode)
+    store = TieredStore(StoreConfig("bench", ssd_dir=folder, retention=RetentionPolicy(ram_capacity_bytes=0)), _FP)
+    assert store.ssd_verifies_mac == (mode & 0o022 != 0)
+    return store
+
+
+def _ssd_get(store: TieredStore, keys: list[ObjectKey], paths: list[Path], objects: _Objects,
+             reps: int) -> tuple[float, float]:
+    """Store and raw GET MB/s of the same objects, already written on both sides."""
+
+    def store_get(rep: int) -> None:
+        for start in range(0, len(keys), _BATCH):
+            store.get_many(keys[start:start + _BATCH])
+
+    def raw_get(rep: int) -> None:
+        for start in range(0, len(paths), _BATCH):
+            batch = []
+            for path in paths[start:start + _BATCH]:
+                with open(path, "rb") as f:
+                    batch.append(f.read())
+
+    result = _compare(store_get, raw_get, objects.nbytes, reps)
+    assert store.get(keys[0]) == objects.payloads[0]
+    return result
 
 
 def _empty(client: redis.Redis) -> None:
@@ -248,14 +272,14 @@ def run(args: argparse.Namespace) -> int:
         finally:
             server.close()
 
-    print(f"{'tier':<6} {'size':>8} {'op':<4} {'store MB/s':>11} {'raw MB/s':>10} {'ratio':>6}")
+    print(f"{'tier':<7} {'size':>8} {'op':<4} {'store MB/s':>11} {'raw MB/s':>10} {'ratio':>6}")
     for row in rows:
-        print(f"{row.tier:<6} {f'{row.size_kib} KiB':>8} {row.op:<4} {row.store_mb_s:>11.0f} "
+        print(f"{row.tier:<7} {f'{row.size_kib} KiB':>8} {row.op:<4} {row.store_mb_s:>11.0f} "
               f"{row.raw_mb_s:>10.0f} {row.ratio:>6.2f}")
     summary: dict[str, object] = {}
-    for tier in ("ram", "ssd", "redis"):
-        for op in ("get", "put"):
-            summary[f"{tier}_{op}_ratio"] = round(min(r.ratio for r in rows if (r.tier, r.op) == (tier, op)), 3)
+    for tier, op in itertools.product(("ram", "ssd", "ssd-mac", "redis"), ("get", "put")):
+        if measured := [r.ratio for r in rows if (r.tier, r.op) == (tier, op)]:
+            summary[f"{tier.replace('-', '_')}_{op}_ratio"] = round(min(measured), 3)
     if args.json:
         summary["rows"] = [{**asdict(r), "ratio": round(r.ratio, 3)} for r in rows]
         print(json.dumps(summary))

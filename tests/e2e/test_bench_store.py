@@ -22,8 +22,10 @@ def test_the_store_bench_runs_every_tier_at_two_sizes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     rows = {(row["tier"], row["size_kib"], row["op"]) for row in report["rows"]}
-    assert rows == {(tier, size, op) for tier in ("ram", "ssd", "redis") for size in (1, 4) for op in ("get", "put")}
+    assert rows == ({(tier, size, op) for tier in ("ram", "ssd", "redis") for size in (1, 4) for op in ("get", "put")}
+                    | {("ssd-mac", size, "get") for size in (1, 4)})
     assert all(row["store_mb_s"] > 0 and row["raw_mb_s"] > 0 for row in report["rows"])
-    assert report["ssd_get_ratio"] == min(row["ratio"] for row in report["rows"] if row["tier"] == "ssd"
-                                          and row["op"] == "get")
+    for tier in ("ssd", "ssd-mac"):
+        assert report[f"{tier.replace('-', '_')}_get_ratio"] == min(
+            row["ratio"] for row in report["rows"] if row["tier"] == tier and row["op"] == "get")
     assert list(tmp_path.iterdir()) == []  # its work folder is gone

@@ -22,8 +22,9 @@ import pytest
 from actors.store import StoreSettings
 from cluster.cli.serve import API_KEY_ENV, add_arguments, app_arguments
 from actors.config import AppConfig
-from storage.keys import Fingerprint, chunk_keys
+from storage.keys import Fingerprint, ObjectKey, chunk_keys
 from storage.policy import RetentionPolicy
+from storage.private import why_not_private
 from storage.slots import SlotError, claim
 from storage.store import StoreConfig, TieredStore
 
@@ -197,3 +198,60 @@ def test_serve_cache_dir_through_traffic_and_a_restart(tmp_path: Path) -> None:
     assert sorted(p.name for p in cache.iterdir()) == ["Documents", "node-0", "photos", "v41-slots"]
     folders, files = modes(cache / "v41-slots")
     assert folders == {0o700} and files == {0o600}
+
+
+def test_a_private_folder_tree_is_told_from_one_others_can_change(tmp_path: Path) -> None:
+    """``why_not_private``: ours and 0700, and no folder above it writable by others
+    unless sticky (as /tmp); links are followed to the real folder."""
+    base = tmp_path / "base"
+    base.mkdir(mode=0o755)
+    (base / "mine").mkdir(mode=0o700)
+    assert why_not_private(base / "mine") is None
+    (base / "open").mkdir(mode=0o700)
+    (base / "open").chmod(0o750)
+    assert why_not_private(base / "open") == f"{base / 'open'} has mode 0750, not 0700"
+    (base / "link").symlink_to(base / "open")
+    assert why_not_private(base / "link") == f"{base / 'open'} has mode 0750, not 0700"
+    base.chmod(0o1777)  # sticky: others cannot rename or remove our entries
+    assert why_not_private(base / "mine") is None
+    base.chmod(0o777)
+    assert why_not_private(base / "mine") == f"{base} has mode 0777: others can write it"
+    base.chmod(0o775)
+    assert why_not_private(base / "mine") == f"{base} has mode 0775: others can write it"
+    base.chmod(0o755)
+    if os.geteuid() == 0:  # giving a folder to another user needs root
+        os.chown(base / "mine", 12345, 12345)
+        assert why_not_private(base / "mine") == f"{base / 'mine'} belongs to uid 12345, not 0"
+
+
+def plant(root: Path, key: ObjectKey, payload: bytes, secret: bytes) -> None:
+    """Write ``key``'s object file as a store keyed by ``secret`` writes it."""
+    with TieredStore(StoreConfig("n1", ssd_dir=root, retention=RetentionPolicy(ram_capacity_bytes=0)),
+                     FP, secret=secret) as store:
+        store.put(key, payload)
+        assert store.flush(10)
+
+
+@pytest.mark.parametrize("folder_mode", [0o700, 0o770, 0o777])
+def test_ssd_reads_check_the_mac_unless_only_the_stores_user_can_write(tmp_path: Path, folder_mode: int) -> None:
+    """In a private folder tree only the store's user (who can read the secret) or root
+    can have written a file, and reads check the checksum; where others can write any
+    folder on the way, reads check the MAC, and a file planted without the secret is a
+    miss. Damage is caught either way."""
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    root.chmod(folder_mode)
+    secret, forged = b"s" * 32, b"f" * 32
+    values = [bytes([i]) * 20_000 for i in range(3)]
+    plant(root, KEYS[0], values[0], forged)  # well formed, checksum right, MAC keyed otherwise
+    plant(root, KEYS[1], values[1], secret)
+    plant(root, KEYS[2], values[2], secret)
+    damaged = next((root / "objects").rglob(f"{KEYS[2].hex}.chunk"))
+    data = bytearray(damaged.read_bytes())
+    data[-5] ^= 1
+    damaged.write_bytes(data)
+    private = folder_mode == 0o700
+    with TieredStore(StoreConfig("n1", ssd_dir=root, retention=RetentionPolicy(ram_capacity_bytes=0)),
+                     FP, secret=secret) as store:
+        assert store.get_many(KEYS[:3]) == [values[0] if private else None, values[1], None]
+        assert store.stats().tiers["ssd"].corrupt == (1 if private else 2)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from storage.codec import HEADER_BYTES
 from storage.index import Location
 from storage.keys import Fingerprint, chunk_keys
 from storage.policy import RetentionPolicy, TierName
@@ -72,8 +73,8 @@ def test_corrupt_redis_objects_are_misses_and_removed(redis_server: RedisServer)
         a.put(KEYS[1], b"payload" * 100)
         assert a.flush(10)
         client = redis.Redis.from_url(redis_server.url)
-        # The value is last use (8 bytes) | 80-byte header | payload.
-        client.setrange(f"v41:chunk:{KEYS[0].hex}", 8 + 80 + 2, b"Y")  # one payload byte
+        # The value is last use (8 bytes) | header | payload.
+        client.setrange(f"v41:chunk:{KEYS[0].hex}", 8 + HEADER_BYTES + 2, b"Y")  # one payload byte
         client.set(f"v41:chunk:{KEYS[1].hex}", b"\0" * 8)  # a last use and no object
         assert a.get_many(KEYS[:2]) == [None, None]
         assert a.stats().tiers["redis"].corrupt == 2

@@ -242,7 +242,7 @@ def test_an_object_larger_than_the_disk_is_dropped_not_raised(tmp_path: Path) ->
 
 
 def test_ssd_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
-    with local_store(tmp_path, ram_capacity_bytes=0, ssd_capacity_bytes=5 * 3080) as store:
+    with local_store(tmp_path, ram_capacity_bytes=0, ssd_capacity_bytes=5 * (HEADER_BYTES + 3000)) as store:
         for i, key in enumerate(KEYS[:5]):
             store.put(key, payload(i))
             store.flush()
@@ -250,7 +250,7 @@ def test_ssd_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
         store.put(KEYS[5], payload(5))
         store.flush()
         assert store.get(KEYS[1]) is None and store.get(KEYS[0]) is not None
-        assert store.stats().bytes_stored["ssd"] <= 5 * 3080
+        assert store.stats().bytes_stored["ssd"] <= 5 * (HEADER_BYTES + 3000)
 
 
 def test_a_replacing_put_rewrites_the_ssd_copy_where_a_plain_put_keeps_it(tmp_path: Path) -> None:

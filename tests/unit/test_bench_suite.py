@@ -52,7 +52,8 @@ def test_a_run_prints_the_limits_beside_the_figures_of_its_benches():
     bench = report["benches"][name]
     assert name == "store" and bench["returncode"] == 0 and bench["command"] == "v41 bench store --json"
     assert bench["figures"] == headline(bench["result"])
-    assert set(bench["figures"]) == {f"{tier}_{op}_ratio" for tier in ("ram", "ssd", "redis") for op in ("get", "put")}
+    assert set(bench["figures"]) == ({f"{tier}_{op}_ratio" for tier in ("ram", "ssd", "redis") for op in ("get", "put")}
+                                     | {"ssd_mac_get_ratio"})
     assert all(0 < ratio < 10 for ratio in bench["figures"].values())  # (a tier over the raw medium it stands on)
     # The bench's own table comes through, then the summary: each figure beside its limits.
     assert "ssd_get_ratio" in out.stdout and "headline figures" in out.stdout

@@ -18,6 +18,7 @@ from cluster.lab.sim_config import SimConfig
 from cluster.lab.simulate import simulate
 from cluster.lab.sizes import Sizes
 from cluster.lab.workload import CHUNK_TOKENS, CONVERSATION_TRACE, Request, mooncake
+from storage.codec import HEADER_BYTES
 
 pytestmark = pytest.mark.unit
 
@@ -112,7 +113,7 @@ def test_the_command_compares_the_policies_on_a_trace():
     assert v41["rates"]["hit_rate"] == pytest.approx(v4["rates"]["hit_rate"])
     assert v4["rates"]["hit_rate_ssd"] > v41["rates"]["hit_rate_ssd"]
     assert 0 < report["stored_bytes_v41_over_v4"] < 1
-    assert v41["sizes"]["chunk_bytes"] == 890 * 128 + 80 + 32 and not v41["sizes"]["persist_windows"]
+    assert v41["sizes"]["chunk_bytes"] == 890 * 128 + HEADER_BYTES + 32 and not v41["sizes"]["persist_windows"]
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "cache-sim", "run", "--policies", "v5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--policies" in bad.stderr

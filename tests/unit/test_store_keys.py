@@ -9,6 +9,7 @@ import zlib
 
 import blake3
 import numpy as np
+import xxhash
 import pytest
 
 from storage.codec import FORMAT_VERSION, HEADER_BYTES, Codec, CorruptObject
@@ -67,10 +68,10 @@ def test_key_hex_round_trips_and_rejects_junk() -> None:
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 240, 4095, 4096, 4097, 40000, 300_001])
 def test_the_mac_is_keyed_blake3_of_the_header_fields_and_payload(size: int) -> None:
-    """As storage/codec.py lays it out, computed here with the blake3 package alone: the
-    first 8 bytes (little-endian) of BLAKE3 keyed by the secret's derived key, over the
-    payload and then the header's bytes 0..63 (magic, version, kind, flags, fingerprint,
-    key digest, length)."""
+    """As storage/codec.py lays it out, computed here with the blake3 and xxhash packages
+    alone: the MAC is the first 8 bytes (little-endian) of BLAKE3 keyed by the secret's
+    derived key, over the payload and then the header's bytes 0..63 (magic, version,
+    kind, flags, fingerprint, key digest, length); the checksum is the payload's XXH3-64."""
     payload = random.Random(size).randbytes(size)
     secret = b"the cluster's secret, 32 bytes!!"
     key = chunk_keys(FP, range(16), 16)[0]
@@ -80,6 +81,8 @@ def test_the_mac_is_keyed_blake3_of_the_header_fields_and_payload(size: int) -> 
     fields += size.to_bytes(8, "little")
     assert blob[:64] == fields
     assert blob[64:72] == blake3.blake3(payload + fields, key=derived).digest(8)
+    assert blob[72:80] == xxhash.xxh3_64(payload).intdigest().to_bytes(8, "little")
+    assert blob[80:84] == bytes(4) and blob[84:88] == zlib.crc32(blob[:84]).to_bytes(4, "little")
     unkeyed = Codec(FP).header(key, payload)  # no secret: keyed by the (public) fingerprint
     assert unkeyed[64:72] == blake3.blake3(payload + fields, key=blake3.blake3(
         FP.digest, derive_key_context="v41 2026-12-06 store object MAC").digest()).digest(8) != blob[64:72]
@@ -87,7 +90,8 @@ def test_the_mac_is_keyed_blake3_of_the_header_fields_and_payload(size: int) -> 
 
 def test_an_object_planted_without_the_secret_fails_its_mac() -> None:
     """Whoever can write Redis or a cache file but lacks the cluster's secret can form a
-    perfect envelope (header CRC, length, name) and still not the MAC."""
+    perfect envelope (header CRC, length, name, checksum) and still not the MAC. The
+    checksum alone does not tell (which is why only a private folder's reads rely on it)."""
     key = chunk_keys(FP, range(16), 16)[0]
     payload = os.urandom(5000)
     store_codec = Codec(FP, b"s" * 32)
@@ -95,6 +99,7 @@ def test_an_object_planted_without_the_secret_fails_its_mac() -> None:
     for forger in (Codec(FP), Codec(FP, b"t" * 32)):
         planted = _envelope(forger, key, payload)
         store_codec.check_header(key, planted[:HEADER_BYTES])  # well formed
+        assert _open(store_codec, key, planted, mac=False) == payload
         with pytest.raises(CorruptObject, match="payload MAC"):
             _open(store_codec, key, planted)
 
@@ -103,14 +108,16 @@ def _envelope(codec: Codec, key: ObjectKey, payload: bytes) -> bytes:
     return codec.header(key, payload) + payload
 
 
-def _open(codec: Codec, key: ObjectKey, blob: bytes) -> bytes:
+def _open(codec: Codec, key: ObjectKey, blob: bytes, mac: bool = True) -> bytes:
     header = codec.check_header(key, blob[:HEADER_BYTES])
     payload = blob[HEADER_BYTES:]
-    codec.check_payload(key, header, payload)
+    codec.check_payload(key, header, payload, mac)
+    assert codec.check(key, blob, 0, mac) == payload  # the one-buffer path agrees
     return payload
 
 
-def test_every_single_bit_flip_is_caught() -> None:
+@pytest.mark.parametrize("mac", [True, False], ids=["mac", "checksum"])
+def test_every_single_bit_flip_is_caught(mac: bool) -> None:
     codec = Codec(FP)
     key = chunk_keys(FP, range(16), 16)[0]
     payload = os.urandom(9000)
@@ -122,10 +129,11 @@ def test_every_single_bit_flip_is_caught() -> None:
         flipped = bytearray(blob)
         flipped[pos] ^= 1 << rng.randrange(8)
         with pytest.raises(CorruptObject):
-            _open(codec, key, bytes(flipped))
+            _open(codec, key, bytes(flipped), mac)
 
 
-def test_torn_swapped_and_foreign_objects_are_caught() -> None:
+@pytest.mark.parametrize("mac", [True, False], ids=["mac", "checksum"])
+def test_torn_swapped_and_foreign_objects_are_caught(mac: bool) -> None:
     codec = Codec(FP)
     k1, k2 = chunk_keys(FP, range(32), 16)
     payload = os.urandom(3 * 4096)
@@ -139,17 +147,18 @@ def test_torn_swapped_and_foreign_objects_are_caught() -> None:
     ]
     for bad in torn:
         with pytest.raises(CorruptObject):
-            _open(codec, k1, bad)
+            _open(codec, k1, bad, mac)
     with pytest.raises(CorruptObject):
-        _open(codec, k2, blob)  # stored under another key
+        _open(codec, k2, blob, mac)  # stored under another key
     with pytest.raises(CorruptObject):
-        _open(Codec(Fingerprint(hashlib.blake2b(b"x", digest_size=16).digest())), k1, blob)
-    for version in (1, 2, 3, FORMAT_VERSION + 1):  # page sums, XXH3, fields-first MAC, a later one (crc fixed up)
+        _open(Codec(Fingerprint(hashlib.blake2b(b"x", digest_size=16).digest())), k1, blob, mac)
+    # page sums, XXH3 alone, fields-first MAC, MAC alone, a later one (crc fixed up)
+    for version in (1, 2, 3, 4, FORMAT_VERSION + 1):
         other = bytearray(blob)
         other[4:6] = version.to_bytes(2, "little")
-        other[76:80] = zlib.crc32(bytes(other[:76])).to_bytes(4, "little")
+        other[84:88] = zlib.crc32(bytes(other[:84])).to_bytes(4, "little")
         with pytest.raises(CorruptObject, match=f"format version {version}"):
-            _open(codec, k1, bytes(other))
+            _open(codec, k1, bytes(other), mac)
 
 
 def _page_word_sums(payload: bytes) -> list[int]:
@@ -158,7 +167,8 @@ def _page_word_sums(payload: bytes) -> list[int]:
     return [int(page) for page in words.sum(axis=1)]
 
 
-def test_changes_that_cancel_inside_a_page_are_caught() -> None:
+@pytest.mark.parametrize("mac", [True, False], ids=["mac", "checksum"])
+def test_changes_that_cancel_inside_a_page_are_caught(mac: bool) -> None:
     codec = Codec(FP)
     key = chunk_keys(FP, range(16), 16)[0]
     payload = os.urandom(3 * 4096)
@@ -172,8 +182,8 @@ def test_changes_that_cancel_inside_a_page_are_caught() -> None:
     for bad_words in (swapped, shifted):
         bad = bad_words.tobytes()
         assert bad != payload and _page_word_sums(bad) == _page_word_sums(payload)  # format 1 missed these
-        with pytest.raises(CorruptObject, match="payload MAC"):
-            _open(codec, key, blob[:HEADER_BYTES] + bad)
+        with pytest.raises(CorruptObject, match="payload MAC" if mac else "payload checksum"):
+            _open(codec, key, blob[:HEADER_BYTES] + bad, mac)
 
 
 def test_window_keys_after_equal_window_key_of_each_prefix():
