@@ -25,13 +25,14 @@ import torch
 from torch import nn
 
 from . import mhc
-from .attention import CSA2Attention, select_entries, window_mask
+from .attention import CSA2Attention
 from .config import AttentionMode, LayerPlan, TextConfig
 from .engram_gate import EngramGate
 from .formats import COMPRESSED_KV, INDEXER_KEY
 from .moe import MoE
 from .norm import RMSNorm
 from .rope import Rotary
+from .selection import select_entries, window_mask
 
 
 @torch.no_grad()

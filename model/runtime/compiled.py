@@ -13,7 +13,7 @@ them (window places, the gathers) stays eager, in
 :meth:`model.runtime.gather.CachedKeys.read`, but for the indexer's pick of a batched
 step: its scores, candidate blocks and top-k are one call (a Reindex layer's, over its
 candidates' keys, another), with the selection rule of the eager path
-(:func:`model.attention.top_k` has no branch and no read back to the host). A Full
+(:func:`model.selection.top_k` has no branch and no read back to the host). A Full
 layer's pooling of the groups completed in the step is one more call, and a DSpark
 drafter layer's attention another (each request's block over its drafter context and
 its own window entries: one call instead of ~40 eager ops, 0.8 ms of a 2.9 ms draft at
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from model import attention, formats, mhc, moe, norm
+from model import attention, formats, mhc, moe, norm, selection
 from model.attention import CSA2Attention
 from model.formats import BlockFormat
 from model.moe import MoE
@@ -101,8 +101,8 @@ class CompiledBlocks:
                      "layer_out": layer_out, "pick": pick, "repick": repick, "pool_groups": pool_groups,
                      "draft_attention": draft_attention}
         if mode == "aot":
-            digest = aot.source_digest([sys.modules[__name__], step_functions, attention, mhc, moe, norm, formats,
-                                        cache, batch_layout])
+            digest = aot.source_digest([sys.modules[__name__], step_functions, attention, selection, mhc, moe, norm,
+                                        formats, cache, batch_layout])
             self.functions: dict[str, Callable] = {
                 name: aot.AotFunction(fn, self.cache_dir, digest) for name, fn in functions.items()}
         else:

@@ -42,6 +42,7 @@ from .. import mhc
 from ..engram import NgramContext, NgramHasher
 from ..transformer import EngramRows, Tap, Transformer, engram_rows_of, run_blocks
 from .cache import SequenceCache
+from .engram_ids import EngramIds
 from .gather import CachedKeys
 from .batch_slab import BatchSlab
 from .inputs import DecoderInput, ImageSpan
@@ -66,6 +67,7 @@ class Engine:
         them."""
         self.model, self.hasher, self.bounded_replay = model, hasher, bounded_replay
         self.image_token_id = image_token_id
+        self.engram_ids = EngramIds(model, hasher, image_token_id)
         self.compiled = None
         if compiled:
             from model.runtime.compiled import CompiledBlocks
@@ -134,9 +136,9 @@ class Engine:
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         start = cache.length
         positions = torch.arange(start, start + len(token_ids), device=device)
-        image_mask = self._image_mask(ids)
+        image_mask = self.engram_ids.image_mask(ids)
         x = self._embeddings(ids, start, image_mask, images)
-        hash_ids = self._hash(cache, ids, image_mask)
+        hash_ids = self.engram_ids.of_new(cache, ids, image_mask)
         pending_rows = engram_rows
         rows: dict[int, torch.Tensor] | None = None
         outputs = []
@@ -152,7 +154,7 @@ class Engine:
             def chunk_rows() -> dict[int, torch.Tensor]:
                 nonlocal rows
                 if rows is None:
-                    rows = pending_rows() if pending_rows is not None else self._table_rows(hash_ids)
+                    rows = pending_rows() if pending_rows is not None else self.engram_ids.rows(hash_ids)
                 return {layer: r[lo:hi] for layer, r in rows.items()}
 
             streams, pre = self._run(segment, streams, pre, range(self.decoder_start), chunk_rows, image_mask=mask)
@@ -165,17 +167,7 @@ class Engine:
     def ngram_context(self, token_ids: list[int]) -> NgramContext | None:
         """The n-gram context after ``token_ids`` (a cache loaded from the store goes on
         hashing from it); None without Engram."""
-        if self.hasher is None:
-            return None
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.model.embed.weight.device)
-        return self._hash_ids(ids, None, self._image_mask(ids))[1]
-
-    def _image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """True at image positions of ``ids`` [n]; None when there are none."""
-        if self.image_token_id is None:
-            return None
-        mask = ids == self.image_token_id
-        return mask if bool(mask.any()) else None
+        return self.engram_ids.context_after(token_ids)
 
     def _embeddings(self, ids: torch.Tensor, start: int, image_mask: torch.Tensor | None,
                     images: Sequence[ImageSpan]) -> torch.Tensor:
@@ -213,9 +205,9 @@ class Engine:
                 cache.windows[i] = None
         segments = [Segment(cache, inputs.positions, 0, len(inputs.positions))]
         layers = range(self.decoder_start, self.config.num_hidden_layers)
-        rows = self._table_rows(inputs.engram_ids[None], self._decoder_engram) if self._decoder_engram else {}
+        rows = self.engram_ids.rows(inputs.engram_ids[None], self._decoder_engram) if self._decoder_engram else {}
         streams, pre = self._run(segments, inputs.streams, inputs.pre, layers, rows, tap,
-                                 self._image_mask(inputs.token_ids))
+                                 self.engram_ids.image_mask(inputs.token_ids))
         return self.model.head(streams[-1:], pre[-1:])[0]
 
     def replayed(self, cache: SequenceCache, inputs: DecoderInput, exact: bool | None = None) -> DecoderInput:
@@ -285,7 +277,7 @@ class Engine:
             ids.append(t)
             lo += len(tokens)
         flat_ids = torch.cat(ids)
-        flat_rows = self._table_rows(self._hash_step([cache for cache, _ in batch], ids))
+        flat_rows = self.engram_ids.rows(self.engram_ids.of_step([cache for cache, _ in batch], ids))
         streams, pre = self.model.embed_streams(flat_ids[None])
         streams, pre = self._run(segments, streams[0], pre[0], range(self.config.num_hidden_layers), flat_rows, tap)
         for segment in segments:
@@ -321,11 +313,11 @@ class Engine:
         device = self.model.embed.weight.device
         ids = torch.tensor(token_ids[start:], dtype=torch.long, device=device)
         positions = torch.arange(start, cache.length, device=device)
-        hash_ids = self._lookback_ids(token_ids, start)
-        image_mask = self._image_mask(ids)
+        hash_ids = self.engram_ids.of_tail(token_ids, start)
+        image_mask = self.engram_ids.image_mask(ids)
         streams, pre = self.model.streams_of(self._embeddings(ids, start, image_mask, images))
         segments = [Segment(cache, positions, 0, len(ids))]
-        streams, pre = self._run(segments, streams, pre, range(self.decoder_start), self._table_rows(hash_ids),
+        streams, pre = self._run(segments, streams, pre, range(self.decoder_start), self.engram_ids.rows(hash_ids),
                                  image_mask=image_mask)
         return DecoderInput(positions, streams, pre, ids, None if hash_ids is None else hash_ids[0])
 
@@ -374,57 +366,6 @@ class Engine:
     """The most tokens a sequence may feed in a step whose cache reads are batched."""
     BATCHED_BYTES = 64 << 20
     """The most bytes the padded long-range rows of a batched step may take."""
-
-    # ------------------------------------------------------------------ Engram rows
-    def _hash(self, cache: SequenceCache, ids: torch.Tensor, image_mask: torch.Tensor | None = None
-              ) -> torch.Tensor | None:
-        """Engram row ids [n, layers, cols] of new tokens (no n-gram reaches across an
-        image position); advances the n-gram context."""
-        if self.hasher is None:
-            return None
-        hash_ids, cache.ngram = self._hash_ids(ids, cache.ngram, image_mask)
-        return hash_ids
-
-    def _hash_step(self, caches: list[SequenceCache], ids: list[torch.Tensor]) -> torch.Tensor | None:
-        """Engram row ids [1, N, layers, cols] of a step's new tokens, ``ids`` [n_i] per
-        sequence, flat in batch order: one hasher call over the right-padded batch
-        (padding only follows each sequence's tokens, so it enters no n-gram of
-        theirs); advances each sequence's n-gram context."""
-        if self.hasher is None or len(ids) == 1:
-            return self._hash(caches[0], ids[0])
-        device = ids[0].device
-        lengths = [len(t) for t in ids]
-        context = NgramContext.cat([self.hasher.empty_context(1, device) if c.ngram is None else c.ngram
-                                    for c in caches])
-        padded = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True)
-        row_ids, after = self.hasher.hash_ids(padded, context, lengths=lengths)
-        for index, cache in enumerate(caches):
-            cache.ngram = after.select(index)
-        if min(lengths) == max(lengths):
-            return row_ids.flatten(0, 1)[None]
-        real = torch.arange(padded.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
-        return row_ids[real][None]
-
-    def _hash_ids(self, ids: torch.Tensor, context: NgramContext | None,
-                  image_mask: torch.Tensor | None) -> tuple[torch.Tensor, NgramContext]:
-        """The hasher over ``ids`` [n] from ``context``, no n-gram across an image
-        position (``image_mask``; None: there are none)."""
-        return self.hasher.hash_ids(ids[None], context, token_mask=None if image_mask is None else ~image_mask[None])
-
-    def _table_rows(self, hash_ids: torch.Tensor | None, layers: tuple[int, ...] | None = None) -> dict[int, torch.Tensor]:
-        """Rows [n, cols, hd] per Engram layer (``layers``, default all) from the model's
-        in-process tables, for row ids [1, n, layers, cols]."""
-        if hash_ids is None:
-            return {}
-        return {layer: rows[0] for layer, rows in self.model.engram_rows(hash_ids, layers).items()}
-
-    def _lookback_ids(self, token_ids: list[int], start: int) -> torch.Tensor | None:
-        """Engram row ids [1, n, layers, cols] of tokens ``start..``, with their true n-gram look-back."""
-        if self.hasher is None:
-            return None
-        back = max(0, start - (self.hasher.max_ngram_size - 1))
-        ids = torch.tensor(token_ids[back:], dtype=torch.long, device=self.model.embed.weight.device)
-        return self._hash_ids(ids, None, self._image_mask(ids))[0][:, start - back :]
 
 
 def _filler(n: int) -> list[int]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..attention import attend_each, candidate_entries, select_entries
+from ..attention import attend_each
 from ..config import AttentionMode
+from ..selection import candidate_entries, select_entries
 from ..transformer import Block, Transformer
 from .batch_layout import Layout, LongRangeRows, padded_rows, rows_at
 from .batch_slab import BatchSlab

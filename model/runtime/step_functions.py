@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model import attention, formats, mhc
+from model import attention, formats, mhc, selection
 from model.formats import BlockFormat
 from model.moe import expert, route, swiglu
 from model.norm import rms_norm
@@ -154,20 +154,20 @@ def pick(q, weights, keys, n_visible, k: int, topk_blocks: int, block: int):
     [b, W, d], the first ``n_visible`` [b, n] of them visible to each token: (entries
     [b * n, k] ascending, valid [b * n, k]), and for a candidate source (``topk_blocks``
     > 0) its listed pool (entries [b * n, P], valid), as
-    :func:`model.attention.select_entries` picks them."""
-    scores = attention.unseen_masked(attention.index_scores(q, weights, keys), n_visible).flatten(0, 1)
-    top, values = attention.top_k(scores, k)
+    :func:`model.selection.select_entries` picks them."""
+    scores = selection.unseen_masked(attention.index_scores(q, weights, keys), n_visible).flatten(0, 1)
+    top, values = selection.top_k(scores, k)
     if not topk_blocks:
         return top, values > float("-inf")
-    return top, values > float("-inf"), *attention.candidate_entries(scores, n_visible.flatten(), topk_blocks, block)
+    return top, values > float("-inf"), *selection.candidate_entries(scores, n_visible.flatten(), topk_blocks, block)
 
 
 def repick(q, weights, table, rows, entries, valid, n_visible, k: int):
     """A Reindex layer's pick among each token's candidates: queries ``q`` [1, N, H, d]
     weighted [1, N, H] against the keys of its pool's ``entries`` [N, P] (``valid``)
     in its row ``rows`` [N] of ``table`` [R, E, d], ``n_visible`` [N]: (entries [N, k]
-    ascending by pool place, valid [N, k]), as :func:`model.attention.select_entries`
+    ascending by pool place, valid [N, k]), as :func:`model.selection.select_entries`
     picks them."""
     scores = attention.index_scores(q, weights, batch_layout.table_rows(table, entries, rows)[None])[0]
-    top, values = attention.top_k(attention.pool_masked(scores, entries, valid, n_visible), k)
+    top, values = selection.top_k(selection.pool_masked(scores, entries, valid, n_visible), k)
     return entries.gather(-1, top), values > float("-inf")

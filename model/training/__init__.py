@@ -49,9 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats
-from ..attention import CSA2Attention, select_entries, visible_entries
+from ..attention import CSA2Attention
 from ..config import AttentionMode
 from ..formats import COMPRESSED_KV, ENGRAM_ROW, INDEXER_KEY, WINDOW_KV
+from ..selection import select_entries, visible_entries
 from ..transformer import Transformer, init_module, run_blocks
 
 __all__ = [

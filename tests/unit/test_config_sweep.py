@@ -20,7 +20,7 @@ apart), and random weights carry the flip to 0.2 in the logits. Every path here 
 with one selection rule, ``torch.Tensor.topk`` on scores snapped to a 2**-10 grid with
 ties to the lower index, so that such a near tie picks alike on every path and every
 CPU and the float configs stay held to 1e-4. The real rule (exact ties to the lower
-index, :func:`model.attention.top_k`) is held to the released implementation's
+index, :func:`model.selection.top_k`) is held to the released implementation's
 selections by tests/unit/test_golden.py.
 """
 
@@ -58,9 +58,9 @@ def _snapped_picks(scores: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
 
 @pytest.fixture(autouse=True)
 def one_selection_rule(monkeypatch):
-    """Both selections on snapped scores: the indexer's (:func:`model.attention.top_k`,
+    """Both selections on snapped scores: the indexer's (:func:`model.selection.top_k`,
     wherever it was imported) and the router's (``torch.Tensor.topk``)."""
-    from model import attention
+    from model import selection
 
     def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         indices = _snapped_picks(scores, min(k, scores.shape[-1])).sort(dim=-1).values
@@ -71,7 +71,7 @@ def one_selection_rule(monkeypatch):
         picked = _snapped_picks(scores, k, dim)
         return torch.return_types.topk((scores.gather(dim, picked), picked))
 
-    monkeypatch.setattr(attention, "top_k", top_k)  # every path selects with model.attention.select_entries
+    monkeypatch.setattr(selection, "top_k", top_k)  # every path selects with model.selection.select_entries
     monkeypatch.setattr(torch.Tensor, "topk", topk)
 
 

@@ -154,7 +154,7 @@ def test_a_steps_engram_rows_are_each_sequences_own(tiny):
         engine.prefill(cache, _tokens(n, n))
     ids = [torch.tensor(_tokens(n, 10 + n)) for n in (3, 1, 2)]
     alone = [hasher.hash_ids(t[None], cache.ngram) for cache, t in zip(caches, ids)]
-    together = engine._hash_step(caches, ids)
+    together = engine.engram_ids.of_step(caches, ids)
     assert torch.equal(together, torch.cat([row_ids for row_ids, _ in alone], dim=1))
     for cache, (_, context) in zip(caches, alone):
         assert torch.equal(cache.ngram.tail, context.tail)

@@ -117,7 +117,7 @@ def test_reuse_layers_read_exactly_their_sources_picks(golden_dir):
 
 
 def test_candidate_entries_list_the_candidate_blocks_pool():
-    from model.attention import candidate_blocks, candidate_entries
+    from model.selection import candidate_blocks, candidate_entries
 
     generator = torch.Generator().manual_seed(3)
     for width, block, top in ((37, 4, 3), (64, 8, 2), (9, 4, 8)):
@@ -134,7 +134,7 @@ def test_top_k_takes_the_best_and_breaks_ties_toward_the_lower_index():
     """Against the definition (sort by score, then index), on scores with many ties,
     -inf entries and zeros of both signs (equal scores); the result does not depend on
     where a row's ties fall."""
-    from model.attention import top_k
+    from model.selection import top_k
 
     generator = torch.Generator().manual_seed(0)
     for _ in range(500):
