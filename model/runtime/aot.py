@@ -6,8 +6,12 @@ allocates the outputs); a decode step on a small model makes 40 such calls, so t
 overhead, not the kernels, is most of the compiled step. AOTInductor compiles the same
 inductor kernels with a C++ wrapper into a shared library (a ``.pt2`` package): a call
 hands the tensors to that wrapper and its kernels run, with no guards and no Python in
-between. Nothing checks a call against the shapes it was built for, so the caller keys
-each call by variant (below), and inputs are made contiguous (see :meth:`AotFunction._prepare`).
+between. The caller keys each call by variant (below); the inputs that vary between
+calls are made contiguous and their fixed sizes compared with the package's (see
+:meth:`AotFunction._prepare`), so that a call that does not fit raises instead of
+reading past a buffer. (The package's own input checks, ``AOTI_RUNTIME_CHECK_INPUTS``,
+stay off: they also compare the stride of a dimension of size 1, which the export
+fixes from its example, and so refuse contiguous inputs.)
 
 An :class:`AotFunction` wraps one Python function. It is called with a *variant* key
 (which the caller knows: a layer and an MoE form) and the function's arguments; the
@@ -78,6 +82,9 @@ class Dynamic:
 
 # One variant's dynamic dimensions: per argument index, per dimension.
 Dims = dict[int, dict[int, Dynamic]]
+# A prepared variant: its package, its tensors' places, those made contiguous, and the
+# (place, axis, size) each call is checked against (AotFunction._prepare).
+_Variant = tuple[Callable, list[int], frozenset[int], tuple[tuple[int, int | None, int], ...]]
 
 
 def _example_size(dim: Dynamic) -> int:
@@ -171,7 +178,7 @@ class AotFunction:
 
     def __init__(self, fn: Callable, cache_dir: Path, source_digest: str) -> None:
         self.fn, self.cache_dir, self.source_digest = fn, cache_dir, source_digest
-        self._variants: dict[object, tuple[Callable, list[int], frozenset[int]]] = {}
+        self._variants: dict[object, _Variant] = {}
         self._runners: dict[Path, Callable] = {}  # one loaded package per signature
         self.built: dict[Path, float] = {}  # the packages this process built: seconds each took
 
@@ -185,17 +192,27 @@ class AotFunction:
         found = self._variants.get(variant)
         if found is None:
             found = self._variants[variant] = self._prepare(args, dims())
-        runner, places, copy = found
+        runner, places, copy, fixed = found
+        for place, axis, size in fixed:
+            if (args[place].dim() if axis is None else args[place].shape[axis]) != size:
+                what = "rank" if axis is None else f"size {axis}:"
+                raise ValueError(f"{self.fn.__name__} ({variant!r}): argument {place} has shape "
+                                 f"{tuple(args[place].shape)}; its package takes {what} {size}")
         return runner([args[place].contiguous() if place in copy else args[place] for place in places])
 
-    def _prepare(self, args: Sequence, dims: Dims) -> tuple[Callable, list[int], frozenset[int]]:
-        """The variant's package, the places of its tensors (and Nones) in ``args``, and
-        those made contiguous on each call. The package's kernels assume contiguous
-        inputs (a strided or broadcast view gives wrong sums, not an error), so every
-        input with a dynamic dimension is made contiguous, and any other (a weight: the
-        same tensor on every call of the variant) that is not contiguous now."""
+    def _prepare(self, args: Sequence, dims: Dims) -> _Variant:
+        """The variant's package, the places of its tensors (and Nones) in ``args``,
+        those made contiguous on each call, and the sizes checked on each call. The
+        package's kernels assume contiguous inputs (a strided or broadcast view gives
+        wrong sums, not an error), so every input with a dynamic dimension is made
+        contiguous, and any other (a weight: the same tensor on every call of the
+        variant) that is not contiguous now. An input with a dynamic dimension (an
+        activation) has its rank and its other sizes checked: (place, axis, size), axis
+        None for the rank."""
         places = [i for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor)]
         copy = frozenset(i for i in places if i in dims or (args[i] is not None and not args[i].is_contiguous()))
+        fixed = tuple((i, axis, size) for i in places if i in dims and args[i] is not None
+                      for axis, size in [(None, args[i].dim()), *enumerate(args[i].shape)] if axis not in dims[i])
         statics = [None if i in places else args[i] for i in range(len(args))]
         signature = repr((
             self.source_digest, torch.__version__, str(torch._inductor.cpu_vec_isa.pick_vec_isa()),
@@ -209,7 +226,7 @@ class AotFunction:
         runner = self._runners.get(path)
         if runner is None:
             runner = self._runners[path] = self._load_or_build(path, args, dims, places)
-        return runner, places, copy
+        return runner, places, copy, fixed
 
     def _load_or_build(self, path: Path, args: Sequence, dims: Dims, places: list[int]) -> Callable:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

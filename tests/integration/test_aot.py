@@ -50,6 +50,19 @@ def test_a_package_runs_every_token_count_of_its_range_as_the_function_does(buil
             assert g.shape == w.shape and torch.allclose(g, w, atol=1e-6)
 
 
+def test_a_call_that_does_not_fit_its_package_raises_and_runs_nothing(built):
+    """Sizes other than the dynamic ones are the package's: a call with another one
+    would read past its buffers, so it is refused, naming the size."""
+    _, function, weight = built
+    with pytest.raises(ValueError, match=r"_mix \('a'\): argument 0 has shape \(2, 3\); its package takes size 1: 4"):
+        function("a", lambda: TOKENS, torch.randn(2, 3), weight, None, 0.5, True)
+    with pytest.raises(ValueError, match=r"argument 0 has shape \(2, 2, 4\); its package takes rank 2"):
+        function("a", lambda: TOKENS, torch.randn(2, 2, 4), weight, None, 0.5, True)
+    x = torch.randn(3, 4)
+    assert torch.allclose(function("a", lambda: TOKENS, x, weight, None, 0.5, True)[0],
+                          _mix(x, weight, None, 0.5, True)[0], atol=1e-6)
+
+
 def test_variants_of_one_signature_share_a_package_and_other_arguments_build_another(built):
     directory, function, weight = built
     assert len(function.built) == 1
