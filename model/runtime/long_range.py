@@ -74,24 +74,11 @@ def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segme
     appended there, with one copy for all.
     """
     source, ratio = block.plan.index, block.plan.compress_ratio
-    groups, owners = [], []
-    for i, segment in enumerate(segments):
-        cache = segment.cache
-        rows, row_pos = _pooled_rows(segment, source, ratio, x)
-        if segment.rewind is not None:
-            segment.rewind.pooling[source] = (rows, row_pos)
-        whole = rows.shape[0] // ratio * ratio
-        if whole:
-            groups.append((rows[:whole], row_pos[:whole]))
-            owners.append((i, whole // ratio))
-        cache.pending[source] = rows[whole:]
-    if not groups:
+    one_token = _one_token_each(segments, source, ratio)
+    grouped = (_one_token_groups if one_token else _groups)(segments, source, ratio, x)
+    if grouped is None:
         return
-    if len(groups) == 1:
-        rows, row_pos = groups[0][0][None], groups[0][1][None]
-    else:
-        rows = torch.cat([g[0] for g in groups]).unflatten(0, (-1, ratio))
-        row_pos = torch.cat([g[1] for g in groups]).view(-1, ratio)
+    rows, row_pos, owners = grouped
     # Row by row, so encoding every sequence's rows at once gives each its own bytes.
     caches = [segments[i].cache for i, _ in owners]
     entry_store, key_store = caches[0].entries[source], caches[0].keys[source]
@@ -112,6 +99,63 @@ def pool_groups(model: Transformer, compiled, block: Block, segments: list[Segme
         cache.entries[source].append_encoded(*(t[lo : lo + n_groups] for t in entry_rows))
         cache.keys[source].append_encoded(*(t[lo : lo + n_groups] for t in key_rows))
         lo += n_groups
+
+
+Groups = tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]
+"""A step's complete groups of one KV source: rows [G, ratio, D], their positions
+[G, ratio], and (segment, groups) of each segment that completed any, in order."""
+
+
+def _groups(segments: list[Segment], source: int, ratio: int, x: torch.Tensor) -> Groups | None:
+    """The complete groups of every segment's pending and new rows (None: none); the
+    rows of an incomplete group become the segment's pending rows."""
+    groups, owners = [], []
+    for i, segment in enumerate(segments):
+        rows, row_pos = _pooled_rows(segment, source, ratio, x)
+        if segment.rewind is not None:
+            segment.rewind.pooling[source] = (rows, row_pos)
+        whole = rows.shape[0] // ratio * ratio
+        if whole:
+            groups.append((rows[:whole], row_pos[:whole]))
+            owners.append((i, whole // ratio))
+        segment.cache.pending[source] = rows[whole:]
+    if not groups:
+        return None
+    if len(groups) == 1:
+        return groups[0][0][None], groups[0][1][None], owners
+    return (torch.cat([g[0] for g in groups]).unflatten(0, (-1, ratio)),
+            torch.cat([g[1] for g in groups]).view(-1, ratio), owners)
+
+
+def _one_token_each(segments: list[Segment], source: int, ratio: int) -> bool:
+    """Whether every segment feeds one token right after its pending rows, not to be
+    taken back (a decode step; the i-th segment's token is row i): :func:`_one_token_groups`
+    then does what :func:`_groups` would."""
+    for i, segment in enumerate(segments):
+        cache = segment.cache
+        if (segment.lo != i or segment.hi != i + 1 or segment.rewind is not None
+                or segment.first != cache.entries[source].n * ratio + cache.pending[source].shape[0]):
+            return False
+    return True
+
+
+def _one_token_groups(segments: list[Segment], source: int, ratio: int, x: torch.Tensor) -> Groups | None:
+    """:func:`_groups` of a decode step (:func:`_one_token_each`) in a few tensor
+    operations for the whole batch, not several per sequence: a segment whose pending
+    rows are one short of a group completes it."""
+    x = x[: len(segments)]  # (a sequence pooled alone may be the first of a longer batch)
+    pending = [segment.cache.pending[source] for segment in segments]
+    complete = [i for i, rows in enumerate(pending) if rows.shape[0] == ratio - 1]
+    none = x[:0]
+    for i, (segment, rows) in enumerate(zip(segments, pending)):
+        segment.cache.pending[source] = (none if rows.shape[0] == ratio - 1 else
+                                         x[i : i + 1] if rows.shape[0] == 0 else torch.cat((rows, x[i : i + 1])))
+    if not complete:
+        return None
+    firsts = torch.tensor([segments[i].first - (ratio - 1) for i in complete], device=x.device)
+    new = x if len(complete) == len(segments) else x.index_select(0, torch.tensor(complete, device=x.device))
+    rows = new[:, None] if ratio == 1 else torch.cat((torch.stack([pending[i] for i in complete]), new[:, None]), 1)
+    return rows, firsts[:, None] + torch.arange(ratio, device=x.device), [(i, 1) for i in complete]
 
 
 def _pooled_rows(segment: Segment, source: int, ratio: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

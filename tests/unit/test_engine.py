@@ -330,3 +330,46 @@ def _agree_but_for_rounding_flips(a: torch.Tensor, b: torch.Tensor, share: float
         return
     assert ((a - b).abs().amax(-1) > 0).float().mean() < share
     assert ((a - b).abs() <= b.abs().amax(-1, keepdim=True) / 6 * 2).all()
+
+
+def test_a_decode_steps_groups_are_made_as_any_steps_are(tiny, monkeypatch):
+    """A decode step pools its completed groups (:func:`long_range._one_token_groups`:
+    a few operations for the whole batch) into the same bytes, pending rows and logits
+    as the general form that every other step uses, bit for bit: prompts of three
+    lengths, so that on every step some sequences complete a group of 2 and some do
+    not, beside the layers of ratio 1, one sequence alone and the three together."""
+    from model.runtime import long_range
+
+    model, hasher = tiny
+    prompts = [_tokens(n, n) for n in (41, 50, 63)]
+    calls = {"one token": 0}
+    one_token_groups = long_range._one_token_groups
+
+    def counted(*args):
+        calls["one token"] += 1
+        return one_token_groups(*args)
+
+    runs = []
+    for general in (False, True):
+        if general:
+            monkeypatch.setattr(long_range, "_one_token_each", lambda *args: False)
+        else:
+            monkeypatch.setattr(long_range, "_one_token_groups", counted)
+        engine = Engine(model, hasher)
+        caches = [engine.new_cache() for _ in prompts]
+        logits = [[engine.replay(c, engine.prefill(c, p))] for c, p in zip(caches, prompts)]
+        for step in range(5):
+            batch = [0] if step == 1 else range(3)  # one step of one sequence: the others wait
+            out = engine.decode([(caches[i], [int(logits[i][-1].argmax())]) for i in batch])
+            for i, step_logits in zip(batch, out):
+                logits[i].append(step_logits[-1])
+        runs.append((caches, [torch.stack(rows) for rows in logits]))
+    sources = sum(plan.is_kv_source for plan in model.config.layer_plans())
+    assert sources >= 3 and calls["one token"] == 5 * sources  # every decode step, at each KV source
+    (fast, fast_logits), (general, general_logits) = runs
+    assert all(torch.equal(a, b) for a, b in zip(fast_logits, general_logits))
+    for a, b in zip(fast, general):
+        for source in a.entries:
+            assert torch.equal(a.entries[source].data, b.entries[source].data)
+            assert torch.equal(a.keys[source].data, b.keys[source].data)
+            assert torch.equal(a.pending[source], b.pending[source])
