@@ -97,7 +97,7 @@ class Codec:
         return int.from_bytes(state.digest(8), "little")
 
     def header(self, key: ObjectKey, payload: bytes | memoryview) -> bytes:
-        """The 80-byte header for ``payload`` stored under ``key``."""
+        """The 88-byte header for ``payload`` stored under ``key``."""
         fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, int(key.kind), 0, self.fingerprint.digest, key.digest,
                               len(payload), self.mac(key, payload), xxhash.xxh3_64_intdigest(payload))
         return fields + _CRC.pack(zlib.crc32(fields))
@@ -105,7 +105,7 @@ class Codec:
     def check_header(self, key: ObjectKey, data: bytes, start: int = 0) -> Header:
         """Verify the header at ``data[start:start + 88]`` for ``key`` (``data`` may run on
         past it; only the 84 bytes under the CRC are copied); raises CorruptObject."""
-        # The hot path: compare the fixed fields in place, parse only the two numbers.
+        # The hot path: compare the fixed fields in place, parse only the three numbers.
         if (len(data) >= start + HEADER_BYTES and data.startswith(self._lead[key.kind], start)
                 and data.startswith(key.digest, start + _LEAD.size)):
             size, tag, checksum, crc = _TAIL.unpack_from(data, start + _TAIL_AT)
