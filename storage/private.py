@@ -7,6 +7,7 @@ marker) is made with these modes from creation on, never widened and then narrow
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -81,15 +82,18 @@ def read_secret(path: Path) -> bytes:
 
 def own_secret(path: Path) -> bytes:
     """The secret in ``path``, made there first if there is none: ``SECRET_BYTES``
-    random bytes, 0600, its missing folders 0700; never replaced (the first of two
-    processes that make it at once wins, and both read its bytes)."""
+    random bytes written as hex digits (text that :func:`read_secret` reads back
+    unchanged: raw bytes that began or ended in a whitespace byte were stripped by every
+    later reader, so the maker and its readers keyed with different secrets), 0600, its
+    missing folders 0700; never replaced (the first of two processes that make it at
+    once wins, and both read its bytes)."""
     make_private_dirs(path.parent)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
     except FileExistsError:
         return read_secret(path)
     try:
-        secret = os.urandom(SECRET_BYTES)
+        secret = secrets.token_hex(SECRET_BYTES).encode()
         os.write(fd, secret)
         os.fsync(fd)
     finally:

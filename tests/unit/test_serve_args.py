@@ -37,8 +37,9 @@ def test_defaults_are_the_shipped_model_and_a_local_cache(monkeypatch):
     secret = cache_home() / "cache-secret"
     assert args == {"model": str(ROOT / "configs" / "small"), "ssd_dir": slots_template(cache_home().resolve()),
                     "cache_secret_file": str(secret)}
-    assert len(secret.read_bytes()) == 32 and secret.stat().st_mode & 0o777 == 0o600
-    assert parse()["cache_secret_file"] == str(secret) and len(secret.read_bytes()) == 32  # made once, kept
+    made = secret.read_bytes()
+    assert len(made) == 64 and int(made, 16) >= 0 and secret.stat().st_mode & 0o777 == 0o600  # 32 bytes, in hex
+    assert parse()["cache_secret_file"] == str(secret) and secret.read_bytes() == made  # made once, kept
 
 
 def test_the_step_is_left_to_the_host_unless_a_flag_names_it(monkeypatch):
