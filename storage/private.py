@@ -2,6 +2,8 @@
 
 What the store and the embedded Redis write (cached conversations, a password, a slot's
 marker) is made with these modes from creation on, never widened and then narrowed.
+:func:`why_not_private` tells whether only the user (and root) can change what a folder
+holds, which decides how the SSD tier checks its files (storage/ssd_tier.py).
 """
 
 from __future__ import annotations
