@@ -100,9 +100,10 @@ class SsdTier(LocalTier):
 
     def __init__(self, root: Path, codec: Codec, policy: RetentionPolicy, clock: Callable[[], float],
                  counters: TierCounters, on_drop: OnDrop, write_file: WriteFile = write_all) -> None:
-        make_private_dirs(Path(root) / "objects")
+        objects = Path(root) / "objects"
+        make_private_dirs(objects)
         # The real folder, whose privacy is checked once: no link on the way can be swapped later.
-        self._dir = Path(os.path.realpath(Path(root) / "objects"))
+        self._dir = Path(os.path.realpath(objects))
         self._prefix = str(self._dir)  # paths are built as strings: pathlib costs more than a read
         not_private = why_not_private(self._dir)
         self.verifies_mac = not_private is not None
