@@ -82,9 +82,10 @@ class Dynamic:
 
 # One variant's dynamic dimensions: per argument index, per dimension.
 Dims = dict[int, dict[int, Dynamic]]
-# A prepared variant: its package, its tensors' places, those made contiguous, and the
-# (place, axis, size) each call is checked against (AotFunction._prepare).
-_Variant = tuple[Callable, list[int], frozenset[int], tuple[tuple[int, int | None, int], ...]]
+# A prepared variant: its package, its tensors' places (and whether each is made
+# contiguous), and the (place, axis, size) each call is checked against
+# (AotFunction._prepare).
+_Variant = tuple[Callable, tuple[tuple[int, bool], ...], tuple[tuple[int, int | None, int], ...]]
 
 
 def _example_size(dim: Dynamic) -> int:
@@ -122,7 +123,7 @@ class _Bound(torch.nn.Module):
 
 
 class _Package:
-    """A loaded package, called with the tensors (Nones are dropped: export flattens
+    """A loaded package, called with the tensors (without the Nones: export flattens
     them away) and without the per-call parsing of its input and output specs that
     ``AOTICompiledModel.__call__`` does."""
 
@@ -131,9 +132,13 @@ class _Package:
             warnings.simplefilter("ignore", FutureWarning)
             self.loader = _load(path)
             self.out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
+            # (a flat tuple, what most functions return, is rebuilt without the tree walk)
+            self.flat = self.out_spec.type is tuple and all(self.out_spec.child(i).is_leaf()
+                                                             for i in range(self.out_spec.num_children))
 
-    def __call__(self, tensors: list[torch.Tensor | None]):
-        return pytree.tree_unflatten(self.loader.boxed_run([t for t in tensors if t is not None]), self.out_spec)
+    def __call__(self, tensors: list[torch.Tensor]):
+        outputs = self.loader.boxed_run(tensors)
+        return tuple(outputs) if self.flat else pytree.tree_unflatten(outputs, self.out_spec)
 
 
 def _unpack_root() -> Path:
@@ -192,17 +197,18 @@ class AotFunction:
         found = self._variants.get(variant)
         if found is None:
             found = self._variants[variant] = self._prepare(args, dims())
-        runner, places, copy, fixed = found
+        runner, inputs, fixed = found
         for place, axis, size in fixed:
             if (args[place].dim() if axis is None else args[place].shape[axis]) != size:
                 what = "rank" if axis is None else f"size {axis}:"
                 raise ValueError(f"{self.fn.__name__} ({variant!r}): argument {place} has shape "
                                  f"{tuple(args[place].shape)}; its package takes {what} {size}")
-        return runner([args[place].contiguous() if place in copy else args[place] for place in places])
+        return runner([args[place].contiguous() if copy else args[place] for place, copy in inputs])
 
     def _prepare(self, args: Sequence, dims: Dims) -> _Variant:
-        """The variant's package, the places of its tensors (and Nones) in ``args``,
-        those made contiguous on each call, and the sizes checked on each call. The
+        """The variant's package, the places of its tensors in ``args`` (its Nones are
+        not passed) and whether each is made contiguous on each call, and the sizes
+        checked on each call. The
         package's kernels assume contiguous inputs (a strided or broadcast view gives
         wrong sums, not an error), so every input with a dynamic dimension is made
         contiguous, and any other (a weight: the same tensor on every call of the
@@ -210,7 +216,7 @@ class AotFunction:
         activation) has its rank and its other sizes checked: (place, axis, size), axis
         None for the rank."""
         places = [i for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor)]
-        copy = frozenset(i for i in places if i in dims or (args[i] is not None and not args[i].is_contiguous()))
+        copy = frozenset(i for i in places if args[i] is not None and (i in dims or not args[i].is_contiguous()))
         fixed = tuple((i, axis, size) for i in places if i in dims and args[i] is not None
                       for axis, size in [(None, args[i].dim()), *enumerate(args[i].shape)] if axis not in dims[i])
         statics = [None if i in places else args[i] for i in range(len(args))]
@@ -226,7 +232,7 @@ class AotFunction:
         runner = self._runners.get(path)
         if runner is None:
             runner = self._runners[path] = self._load_or_build(path, args, dims, places)
-        return runner, places, copy, fixed
+        return runner, tuple((i, i in copy) for i in places if args[i] is not None), fixed
 
     def _load_or_build(self, path: Path, args: Sequence, dims: Dims, places: list[int]) -> Callable:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -10,9 +10,9 @@ sequences that step together live in one buffer per place (a :data:`Place`: a la
 window, a source's entries, a source's keys), ``[rows, capacity, ...]``, a row per
 sequence: each :class:`~model.runtime.cache.PackedRows` keeps its rows in its row of the
 buffer (:meth:`~model.runtime.cache.PackedRows.adopt`), so that a place's new rows of
-every sequence are written with one indexed copy (:meth:`BatchSlab.append`), every
-window is read with one gather (:meth:`BatchSlab.read_windows`) and the long-range rows
-are read where they lie (:meth:`BatchSlab.table`), with no padded copy.
+every sequence are written with one indexed copy (:meth:`BatchSlab.append`), and every
+window (:meth:`BatchSlab.window_rows`) and long-range row (:meth:`BatchSlab.table`) is
+read where it lies, by index, with no padded copy.
 
 A window buffer's rows hold a window and two steps' tokens, twice (so that a window,
 which moves its rows back to the start of its row when an append finds it full, never
@@ -92,6 +92,9 @@ class BatchSlab:
         self.occupants: list[SequenceCache | None] = []
         self._row_of: dict[int, int] = {}  # id(cache) -> its row
         self._buffers: dict[Place, _Buffer] = {}
+        # The last index tensor made for each kind of read or write, by its values: a
+        # step's layers mostly repeat their windows' (every window moves alike).
+        self._index: dict[str, tuple[tuple, torch.Tensor]] = {}
 
     def admit(self, caches: list[SequenceCache]) -> list[int]:
         """The rows of a step's ``caches``, in order: each keeps its row, a newcomer
@@ -135,23 +138,36 @@ class BatchSlab:
             if not packed.holds(buffer.values_of[slot]):  # (seating leaves room for a step: never)
                 raise RuntimeError(f"{place}: {m} new rows outgrew row {slot} of the slab")
             starts.extend(range(start, start + m))
-        index = torch.tensor(starts, device=encoded[1].device)
+        index = self._index_of("append", tuple(starts), lambda: torch.tensor(starts, device=encoded[1].device))
         for flat, new in zip((buffer.data, buffer.values), encoded):
             flat.view(-1, flat.shape[-1]).index_copy_(0, index, new)
         for packed, m in zip(rows, counts):
             packed.extend(m)
 
-    def read_windows(self, layer: int, windows: list[Window], slots: list[int], firsts: list[int],
-                     lengths: list[int], places: torch.Tensor) -> torch.Tensor:
-        """Each (seated) window's ``lengths[i]`` rows from position ``firsts[i]`` on,
-        padded: [b, T, dim] for ``places`` = ``arange(T)``, T the longest (a shorter
-        window's padding repeats its last row: the caller masks it)."""
-        buffer = self._buffers["window", layer]
-        starts = [slot * buffer.capacity + window.rows.offset + first - window.start
+    def window_rows(self, layer: int, windows: list[Window], slots: list[int], firsts: list[int],
+                    lengths: list[int], places: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each (seated) window's ``lengths[i]`` rows from position ``firsts[i]`` on
+        are: (the buffer's rows flat [R, dim], each window's rows in it [b, T]) for
+        ``places`` = ``arange(T)``, T the longest (a shorter window's index repeats its
+        last row: the caller masks it)."""
+        values = self._buffers["window", layer].values
+        capacity = values.shape[1]
+        starts = [slot * capacity + window.rows.offset + first - window.start
                   for window, slot, first in zip(windows, slots, firsts)]
-        spans = torch.tensor([lengths, starts], device=places.device)
-        index = torch.minimum(places, spans[0, :, None] - 1) + spans[1, :, None]  # [b, T]
-        return buffer.values.view(-1, buffer.values.shape[-1]).index_select(0, index.view(-1)).view(*index.shape, -1)
+
+        def index() -> torch.Tensor:
+            spans = torch.tensor([lengths, starts], device=places.device)
+            return torch.minimum(places, spans[0, :, None] - 1) + spans[1, :, None]
+
+        return values.view(-1, values.shape[-1]), self._index_of("window", (*starts, *lengths), index)
+
+    def _index_of(self, kind: str, key: tuple, make) -> torch.Tensor:
+        """The index tensor of ``kind`` for ``key`` (its values): the last one made when
+        the key is the same, else ``make()``."""
+        last = self._index.get(kind)
+        if last is None or last[0] != key:
+            last = self._index[kind] = key, make()
+        return last[1]
 
     def table(self, place: Place) -> torch.Tensor:
         """The values of every row at ``place``: [rows, capacity, dim], a seated

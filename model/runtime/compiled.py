@@ -42,6 +42,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -73,6 +74,21 @@ def _encoded(window: PackedRows, rows: torch.Tensor, values: torch.Tensor | None
     """New window rows as the compiled input half gave them, as (bytes, values) for
     ``window``: encoded there in a block format, encoded here for a float32 cache."""
     return (rows, values) if isinstance(window.fmt, BlockFormat) else window.encode(rows)
+
+
+class _LayerArgs(NamedTuple):
+    """One block's arguments to the compiled functions that are the same on every call:
+    its weights and sizes, gathered once (a weight loaded later lands in the same
+    tensors)."""
+
+    before: tuple  # the attention site's mixes and norm
+    after: tuple  # the FFN site's mixes and norm, the router, the routed and shared experts
+    routing: tuple  # the router's and the shared expert's numbers
+    attention_in: tuple  # the queries' and window rows' weights
+    attention_in_sizes: tuple  # heads, the query norm's eps
+    indexer: tuple  # the indexer's query weights and heads (Nones and 0 without one)
+    attention_out: tuple  # the sink and the output projection's weights
+    attention_out_sizes: tuple  # the scaling and the output groups
 
 
 def _jit(compiled: Callable) -> Callable:
@@ -114,7 +130,7 @@ class CompiledBlocks:
                                                                                           "repick"))
         self._draft_attention = self.functions["draft_attention"]
         tokens, keys = aot.Dynamic("n", 1, max_tokens), aot.Dynamic("t", 1, 1 << 24)
-        self._keys_width = keys
+        self._keys_width, self._table_rows = keys, aot.Dynamic("r", 1, 1 << 24)
         self._token_dims = {i: {0: tokens} for i in range(2)}
         blocks, width = aot.Dynamic("b", 1, max_tokens), aot.Dynamic("t", 1, 1 << 16)
         self._draft_dims = {0: {0: blocks}, 1: {0: blocks}, 2: {0: blocks}, 3: {0: blocks, 1: width},
@@ -122,7 +138,7 @@ class CompiledBlocks:
         self._layer_in_dims = {0: {0: tokens}, 1: {0: tokens}, 6: {1: tokens}, 7: {1: tokens}}
         config = model.config
         self._mhc = (config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
-        self._weights: dict[int, tuple] = {}
+        self._weights: dict[int, _LayerArgs] = {}
         # (an encoder-only model, a prefill replica's, has no decoder blocks to run)
         self.add_blocks([block for block in model.layers if isinstance(block, Block) and block.ffn is not None])
 
@@ -130,29 +146,25 @@ class CompiledBlocks:
         """Make ``blocks`` runnable here (the model's at construction; a DSpark drafter's
         layers later): their routed experts stacked, their weights gathered per call."""
         for block in blocks:
-            ffn, gate = block.ffn, block.ffn.gate
+            ffn, gate, attn = block.ffn, block.ffn.gate, block.attn
             w1, w3, w2 = _stack_experts(ffn)
-            self._weights[block.plan.index] = (
+            indexer = attn.indexer
+            self._weights[block.plan.index] = _LayerArgs(
                 (block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base, block.attn_norm.weight),
                 (block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base, block.ffn_norm.weight, gate.weight, gate.bias,
                  w1, w3, w2, ffn.shared_experts.w1.weight, ffn.shared_experts.w3.weight, ffn.shared_experts.w2.weight),
                 (gate.top_k, gate.scoring_func, gate.gate_temp, gate.norm_topk_prob, gate.scaling,
                  ffn.shared_experts.limit),
+                (attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight, attn.wkv.weight, attn.kv_norm.weight),
+                (attn.n_heads, attn.q_norm.eps),
+                (None, None, 0) if indexer is None else (indexer.wq_b.weight, indexer.weights_proj.weight,
+                                                         indexer.n_heads),
+                (attn.attn_sink, attn.wo_a.weight, attn.wo_b.weight),
+                (attn.scaling, attn.o_groups),
             )
 
     def handles(self, n_tokens: int) -> bool:
         return 0 < n_tokens <= self.max_tokens
-
-    @staticmethod
-    def _attention_in_args(attn: CSA2Attention, window: PackedRows) -> tuple[tuple, tuple]:
-        """:func:`~model.runtime.step_functions.attention_in`'s arguments after (x, cos, sin):
-        (the weights, the rest)."""
-        indexer = attn.indexer
-        blocked = isinstance(window.fmt, BlockFormat)  # (a float32 cache: tiny test configs)
-        index = (None, None, 0) if indexer is None else (indexer.wq_b.weight, indexer.weights_proj.weight,
-                                                          indexer.n_heads)
-        return ((attn.wq_a.weight, attn.q_norm.weight, attn.wq_b.weight, attn.wkv.weight, attn.kv_norm.weight),
-                (attn.n_heads, attn.q_norm.eps, window.fmt if blocked else None, window.payload, *index))
 
     def pick(self, layer: int, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: torch.Tensor,
              k: int, topk_blocks: int = 0, block: int = 1) -> tuple[torch.Tensor, ...]:
@@ -215,7 +227,8 @@ class CompiledBlocks:
         reads; over other keys, four, their ``attend`` between."""
         if block.engram is not None:
             streams = block.engram(streams, engram_rows, None)
-        before, after, routing = self._weights[block.plan.index]
+        layer = self._weights[block.plan.index]
+        before, after, routing = layer.before, layer.after, layer.routing
         index = block.plan.index
         experts = after[6].shape[0]
         gathered = streams.shape[0] * routing[0] < experts  # the MoE's form (see after_attention)
@@ -226,23 +239,28 @@ class CompiledBlocks:
             out = keys.attend(block, x)
             return self._after((index, gathered), moe_dims, out, streams, attn_pre, attn_post, attn_comb, *after,
                                *self._mhc, *routing)
-        attn = block.attn
         cos, sin = keys.rotary_at(block)
         window = keys.window_rows(block)
-        weights, statics = self._attention_in_args(attn, window)
+        blocked = isinstance(window.fmt, BlockFormat)  # (a float32 cache: tiny test configs)
         x, attn_pre, attn_post, attn_comb, q, q_residual, rows, values, index_query = self._layer_in(
-            index, lambda: self._layer_in_dims, streams, pre, *before, cos, sin, *weights, *self._mhc, *statics)
-        gathered_keys, mask = keys.read(block, x, q_residual, _encoded(window, rows, values), index_query)
-        return self._layer_out((index, gathered), lambda: self._layer_out_dims(moe_dims()), q, gathered_keys, mask,
-                               cos, sin, attn.attn_sink, attn.wo_a.weight, attn.wo_b.weight, streams, attn_pre,
-                               attn_post, attn_comb, *after, attn.scaling, attn.o_groups, *self._mhc, *routing)
+            index, lambda: self._layer_in_dims, streams, pre, *before, cos, sin, *layer.attention_in, *self._mhc,
+            *layer.attention_in_sizes, window.fmt if blocked else None, window.payload, *layer.indexer)
+        read = keys.read(block, x, q_residual, _encoded(window, rows, values), index_query).indexed()
+        return self._layer_out((index, gathered, read.entries is None), lambda: self._layer_out_dims(moe_dims()),
+                               q, read.window, read.window_index, read.window_mask, read.entries, read.entry_index,
+                               read.entry_valid, cos, sin, *layer.attention_out, streams, attn_pre, attn_post,
+                               attn_comb, *after, *layer.attention_out_sizes, *self._mhc, *routing)
 
     def _layer_out_dims(self, moe_dims: aot.Dims) -> aot.Dims:
         """:func:`layer_out`'s dynamic dimensions: the token count (in the MoE form's
-        range) of the queries, keys, mask, cos, sin, streams and mixes; the keys' width."""
-        tokens, keys = moe_dims[0][0], self._keys_width
-        return {0: {1: tokens}, 1: {0: tokens, 1: keys}, 2: {0: tokens, 1: keys}, 3: {1: tokens}, 4: {1: tokens},
-                **{i: {0: tokens} for i in range(8, 12)}}
+        range) of the queries, the key rows' indices and masks, cos, sin, streams and
+        mixes; the rows of the window and entry tables, each token's window places and
+        entries."""
+        tokens, places, rows = moe_dims[0][0], self._keys_width, self._table_rows
+        entries = aot.Dynamic("k", 1, 1 << 16)
+        return {0: {1: tokens}, 1: {0: rows}, 2: {0: tokens, 1: places}, 3: {0: tokens, 1: places},
+                4: {0: aot.Dynamic("e", 1, 1 << 24)}, 5: {0: tokens, 1: entries}, 6: {0: tokens, 1: entries},
+                7: {1: tokens}, 8: {1: tokens}, **{i: {0: tokens} for i in range(12, 16)}}
 
     def _pool_dims(self, ratio: int) -> aot.Dims:
         """Pooling's rows [B, G * ratio, D] and cos / sin [B, G, rd]: B and G dynamic."""
