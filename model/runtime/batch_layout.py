@@ -1,8 +1,7 @@
 """How a step's tokens and its sequences' rows are laid out for cache reads batched
 over the sequences (:class:`~model.runtime.gather.CachedKeys`): each token's sequence
 and place (:class:`Layout`), a KV source's long-range rows side by side
-(:class:`LongRangeRows`), where each token's keys are (:class:`KeyRows`), and row
-gathers by index (:func:`rows_at`, :func:`table_rows`, :func:`gather_keys`)."""
+(:class:`LongRangeRows`), and row gathers by index (:func:`rows_at`, :func:`table_rows`)."""
 
 from __future__ import annotations
 
@@ -23,57 +22,8 @@ def rows_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def table_rows(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``table[rows[i], index[i]]`` for each i: a table [R, E, d], an index [N, ...] and
     each one's row [N] -> [N, ..., d]."""
-    return rows_at(*flat_index(table, index, rows))
-
-
-def flat_index(table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`table_rows`' operands, not gathered: the table's rows flat [R * E, d] and
-    the index into them [N, ...]."""
     offsets = (rows * table.shape[1]).view(-1, *[1] * (index.dim() - 1))
-    return table.flatten(0, 1), index + offsets
-
-
-def gather_keys(window: torch.Tensor, window_index: torch.Tensor | None, window_mask: torch.Tensor,
-                entries: torch.Tensor | None, entry_index: torch.Tensor | None, entry_valid: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's keys [N, T, d] and mask [N, T] from where :class:`KeyRows` says they
-    are: its window rows, then its long-range entries."""
-    keys = window if window_index is None else rows_at(window, window_index)
-    if entries is None:
-        return keys, window_mask
-    return torch.cat((keys, rows_at(entries, entry_index)), dim=1), torch.cat((window_mask, entry_valid), dim=1)
-
-
-@dataclass(frozen=True)
-class KeyRows:
-    """Where one layer's keys are for each of a step's N tokens, not yet gathered: rows
-    ``window_index`` [N, Tw] of the ``window`` table [Rw, d] (``window_index`` None:
-    ``window`` holds the keys themselves, [N, Tw, d]), masked by ``window_mask``
-    [N, Tw]; past a Window layer, rows ``entry_index`` [N, k] of the ``entries`` table
-    [Re, d], ``entry_valid`` [N, k]. The eager step gathers them (:meth:`gather`); the
-    compiled one reads them inside its attention, so that no gathered copy is made."""
-
-    window: torch.Tensor
-    window_index: torch.Tensor | None
-    window_mask: torch.Tensor
-    entries: torch.Tensor | None = None
-    entry_index: torch.Tensor | None = None
-    entry_valid: torch.Tensor | None = None
-
-    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys [N, T, d], mask [N, T]): :func:`gather_keys`."""
-        return gather_keys(self.window, self.window_index, self.window_mask, self.entries, self.entry_index,
-                           self.entry_valid)
-
-    def indexed(self) -> KeyRows:
-        """The same keys, the window always as rows of a table (gathered keys as a table
-        of their own rows): the compiled step's one form."""
-        if self.window_index is not None:
-            return self
-        n, t = self.window.shape[:2]
-        index = torch.arange(n * t, device=self.window.device).view(n, t)
-        return KeyRows(self.window.flatten(0, 1), index, self.window_mask, self.entries, self.entry_index,
-                       self.entry_valid)
+    return rows_at(table.flatten(0, 1), index + offsets)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ sequences that step together live in one buffer per place (a :data:`Place`: a la
 window, a source's entries, a source's keys), ``[rows, capacity, ...]``, a row per
 sequence: each :class:`~model.runtime.cache.PackedRows` keeps its rows in its row of the
 buffer (:meth:`~model.runtime.cache.PackedRows.adopt`), so that a place's new rows of
-every sequence are written with one indexed copy (:meth:`BatchSlab.append`), and every
-window (:meth:`BatchSlab.window_rows`) and long-range row (:meth:`BatchSlab.table`) is
-read where it lies, by index, with no padded copy.
+every sequence are written with one indexed copy (:meth:`BatchSlab.append`), every
+window is read with one gather (:meth:`BatchSlab.window_rows` names its rows) and the
+long-range rows are read where they lie (:meth:`BatchSlab.table`), with no padded copy.
 
 A window buffer's rows hold a window and two steps' tokens, twice (so that a window,
 which moves its rows back to the start of its row when an append finds it full, never

@@ -130,7 +130,7 @@ class CompiledBlocks:
                                                                                           "repick"))
         self._draft_attention = self.functions["draft_attention"]
         tokens, keys = aot.Dynamic("n", 1, max_tokens), aot.Dynamic("t", 1, 1 << 24)
-        self._keys_width, self._table_rows = keys, aot.Dynamic("r", 1, 1 << 24)
+        self._keys_width = keys
         self._token_dims = {i: {0: tokens} for i in range(2)}
         blocks, width = aot.Dynamic("b", 1, max_tokens), aot.Dynamic("t", 1, 1 << 16)
         self._draft_dims = {0: {0: blocks}, 1: {0: blocks}, 2: {0: blocks}, 3: {0: blocks, 1: width},
@@ -245,22 +245,17 @@ class CompiledBlocks:
         x, attn_pre, attn_post, attn_comb, q, q_residual, rows, values, index_query = self._layer_in(
             index, lambda: self._layer_in_dims, streams, pre, *before, cos, sin, *layer.attention_in, *self._mhc,
             *layer.attention_in_sizes, window.fmt if blocked else None, window.payload, *layer.indexer)
-        read = keys.read(block, x, q_residual, _encoded(window, rows, values), index_query).indexed()
-        return self._layer_out((index, gathered, read.entries is None), lambda: self._layer_out_dims(moe_dims()),
-                               q, read.window, read.window_index, read.window_mask, read.entries, read.entry_index,
-                               read.entry_valid, cos, sin, *layer.attention_out, streams, attn_pre, attn_post,
-                               attn_comb, *after, *layer.attention_out_sizes, *self._mhc, *routing)
+        gathered_keys, mask = keys.read(block, x, q_residual, _encoded(window, rows, values), index_query)
+        return self._layer_out((index, gathered), lambda: self._layer_out_dims(moe_dims()), q, gathered_keys, mask,
+                               cos, sin, *layer.attention_out, streams, attn_pre, attn_post, attn_comb, *after,
+                               *layer.attention_out_sizes, *self._mhc, *routing)
 
     def _layer_out_dims(self, moe_dims: aot.Dims) -> aot.Dims:
         """:func:`layer_out`'s dynamic dimensions: the token count (in the MoE form's
-        range) of the queries, the key rows' indices and masks, cos, sin, streams and
-        mixes; the rows of the window and entry tables, each token's window places and
-        entries."""
-        tokens, places, rows = moe_dims[0][0], self._keys_width, self._table_rows
-        entries = aot.Dynamic("k", 1, 1 << 16)
-        return {0: {1: tokens}, 1: {0: rows}, 2: {0: tokens, 1: places}, 3: {0: tokens, 1: places},
-                4: {0: aot.Dynamic("e", 1, 1 << 24)}, 5: {0: tokens, 1: entries}, 6: {0: tokens, 1: entries},
-                7: {1: tokens}, 8: {1: tokens}, **{i: {0: tokens} for i in range(12, 16)}}
+        range) of the queries, keys, mask, cos, sin, streams and mixes; the keys' width."""
+        tokens, keys = moe_dims[0][0], self._keys_width
+        return {0: {1: tokens}, 1: {0: tokens, 1: keys}, 2: {0: tokens, 1: keys}, 3: {1: tokens}, 4: {1: tokens},
+                **{i: {0: tokens} for i in range(8, 12)}}
 
     def _pool_dims(self, ratio: int) -> aot.Dims:
         """Pooling's rows [B, G * ratio, D] and cos / sin [B, G, rd]: B and G dynamic."""

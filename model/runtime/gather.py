@@ -21,7 +21,7 @@ from ..attention import attend_each
 from ..config import AttentionMode
 from ..selection import candidate_entries, select_entries
 from ..transformer import Block, Transformer
-from .batch_layout import KeyRows, Layout, LongRangeRows, flat_index, padded_rows, rows_at
+from .batch_layout import Layout, LongRangeRows, padded_rows, rows_at
 from .batch_slab import BatchSlab
 from .cache import Window
 from .long_range import Segment, pool_groups
@@ -70,7 +70,7 @@ class CachedKeys:
         cos, sin = self.rotary_at(block)
         q, q_residual = attn.queries(x[None], cos, sin)
         window_rows = self.window_rows(block).encode(attn.window_raw(x[None], cos, sin)[0])
-        keys, mask = self.read(block, x, q_residual, window_rows, None).gather()
+        keys, mask = self.read(block, x, q_residual, window_rows, None)
         chunk = self.query_chunk
         return attn.output(torch.cat([
             attend_each(q[0, i : i + chunk], keys[i : i + chunk], mask[i : i + chunk], attn.attn_sink, attn.scaling)
@@ -92,11 +92,11 @@ class CachedKeys:
 
     def read(self, block: Block, x: torch.Tensor, q_residual: torch.Tensor,
              window_rows: tuple[torch.Tensor, torch.Tensor],
-             index_query: tuple[torch.Tensor, torch.Tensor] | None) -> KeyRows:
+             index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cache read of one layer's attention: the step's new window rows
         (``window_rows``: bytes [N, row bytes] and values [N, hd], every sequence's,
-        encoded at once) appended to each sequence's window, then where each token's
-        keys are (:meth:`_batch_keys`, or gathered by :meth:`_sequence_keys`). The
+        encoded at once) appended to each sequence's window, then each token's keys
+        [N, T, hd] and mask [N, T] (:meth:`_batch_keys` or :meth:`_sequence_keys`). The
         windows are trimmed to ``sliding_window`` rows after (the keys are already read:
         a trim only moves a window's start). ``x`` [N, D] the layer's normalised input;
         ``q_residual`` and ``index_query`` as the queries' projection gave them."""
@@ -113,16 +113,15 @@ class CachedKeys:
                 window.rows.append_encoded(window_bytes[segment.lo : segment.hi],
                                            window_values[segment.lo : segment.hi])
         if self.batched:
-            keys = self._batch_keys(block, windows, x, q_residual, cos, sin, index_query, seated)
+            keys, mask = self._batch_keys(block, windows, x, q_residual, cos, sin, index_query, seated)
         else:
-            gathered, mask = self._sequence_keys(block, windows, x, q_residual, cos, sin, index_query)
-            keys = KeyRows(gathered, None, mask)
+            keys, mask = self._sequence_keys(block, windows, x, q_residual, cos, sin, index_query)
         for segment, window in zip(segments, windows):
             excess = window.rows.n - self.window
             if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
                 window.rows.drop_front(excess)
                 window.start += excess
-        return keys
+        return keys, mask
 
     @staticmethod
     def _window(layer: int, segment: Segment) -> Window:
@@ -137,11 +136,11 @@ class CachedKeys:
 
     def _batch_keys(self, block: Block, windows: list[Window], x: torch.Tensor, q_residual: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None,
-                    seated: bool = False) -> KeyRows:
+                    seated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_sequence_keys` for ``b`` sequences of at most ``n`` tokens each, in a
-        fixed number of tensor ops however many sequences there are, not gathered:
-        where each of the step's tokens' keys are (their :class:`Layout` in ``picks``,
-        made once per step).
+        fixed number of tensor ops however many sequences there are: (keys [N, T, hd],
+        mask [N, T]) for the step's tokens (their :class:`Layout` in ``picks``, made
+        once per step).
 
         Each sequence's window rows that any of its queries may read are one slice of
         its window; the slices are padded to the longest sequence, and each token
@@ -158,12 +157,10 @@ class CachedKeys:
         lengths = [w.end - first for w, first in zip(windows, firsts)]
         places, mask = self._window_mask(layout, firsts, lengths)
         if seated:
-            table, index = self.slab.window_rows(plan.index, windows, self.slab_rows, firsts, lengths, places)
+            window_keys = rows_at(*self.slab.window_rows(plan.index, windows, self.slab_rows, firsts, lengths, places))
         else:
-            table = padded_rows([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
-            index = torch.arange(table.shape[0] * table.shape[1], device=device).view(table.shape[:2])
-            table = table.flatten(0, 1)
-        window = (table, layout.each(index), mask)  # each token's window places [N, Tw]
+            window_keys = padded_rows([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
+        keys = layout.each(window_keys)  # [N, Tw, hd]
         if plan.mode is not AttentionMode.WINDOW:
             source = plan.kv_source
             if plan.mode is AttentionMode.FULL:
@@ -176,9 +173,9 @@ class CachedKeys:
             if plan.runs_indexer:
                 state[plan.index] = self._batch_pick(block, rows, x, q_residual, cos, sin, index_query)
             index, valid = state[plan.index_source]  # [N, k]
-            if index.shape[1]:
-                return KeyRows(*window, *flat_index(rows.entries, index, rows.row), valid)
-        return KeyRows(*window)
+            keys = torch.cat((keys, layout.rows_at(rows.entries, index, rows.row)), dim=1)
+            mask = torch.cat((mask, valid), dim=1)
+        return keys, mask
 
     def _window_mask(self, layout: Layout, firsts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The window places ``arange(T)`` and each token's mask over them [N, T], for

@@ -6,7 +6,7 @@ AOTInductor can export it once and run it for every layer that shares its shapes
 layer over the engine's caches is :func:`layer_in` (the attention site's mHC mixes,
 collapse and norm, then the queries, the new window rows and their FP8 bytes, and the
 indexer's query of a layer that runs one) and :func:`layer_out` (each token's
-attention over its keys, read where the engine's caches keep them, the output projection, then
+attention over the keys the engine gathered for it, the output projection, then
 expand, the FFN site's mixes, collapse, norm, the MoE, expand). :func:`pick` and
 :func:`repick` are a batched step's indexer picks, :func:`pool_groups` a Full layer's
 pooling of the groups completed in the step, :func:`draft_attention` a DSpark drafter
@@ -117,12 +117,8 @@ def pool_groups(rows, cos, sin, wkv, wgate, norm, ratio: int, eps: float, wk, k_
             (keys, None) if key_format is None else encode_rows(key_format, key_payload, keys))
 
 
-def attention_out(q, window, window_index, window_mask, entries, entry_index, entry_valid, cos, sin, sink, wo_a,
-                  wo_b, scaling: float, o_groups: int):
-    """Each token's attention over its own keys, where a
-    :class:`~model.runtime.batch_layout.KeyRows` says they are (read here, with no
-    gathered copy of them), projected out: [N, D]."""
-    keys, mask = batch_layout.gather_keys(window, window_index, window_mask, entries, entry_index, entry_valid)
+def attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_groups: int):
+    """Each token's attention over its own keys [N, T, hd] (mask [N, T]), projected out: [N, D]."""
     out = attention.attend_each(q[0], keys, mask, sink, scaling)
     return attention.output(out[None], cos, sin, wo_a, wo_b, o_groups)[0]
 
@@ -140,15 +136,13 @@ def layer_in(streams, pre, fn, scale, base, norm_weight, cos, sin, wq_a, q_norm,
                            index_wq_b, index_weights, index_heads))
 
 
-def layer_out(q, window, window_index, window_mask, entries, entry_index, entry_valid, cos, sin, sink, wo_a, wo_b,
-              streams, attn_pre, attn_post, attn_comb, fn, scale, base, norm_weight, router_weight, router_bias, w1,
-              w3, w2, shared_w1, shared_w3, shared_w2, scaling: float, o_groups: int, iters: int, hc_eps: float,
-              norm_eps: float, top_k: int, scoring_func: str, gate_temp: float, norm_topk_prob: bool,
-              moe_scaling: float, limit: float):
+def layer_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, streams, attn_pre, attn_post, attn_comb, fn, scale, base,
+              norm_weight, router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, scaling: float,
+              o_groups: int, iters: int, hc_eps: float, norm_eps: float, top_k: int, scoring_func: str,
+              gate_temp: float, norm_topk_prob: bool, moe_scaling: float, limit: float):
     """A layer's work after its cache reads, in one call: :func:`attention_out` then
     :func:`after_attention`: (streams, the next site's ``pre``)."""
-    out = attention_out(q, window, window_index, window_mask, entries, entry_index, entry_valid, cos, sin, sink,
-                        wo_a, wo_b, scaling, o_groups)
+    out = attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling, o_groups)
     return after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, base, norm_weight, router_weight,
                            router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, iters, hc_eps, norm_eps, top_k,
                            scoring_func, gate_temp, norm_topk_prob, moe_scaling, limit)

@@ -11,7 +11,6 @@ import torch
 from model.formats import WINDOW_KV
 from model.runtime.cache import PackedRows, Window
 from model.runtime.engine import Engine
-from model.runtime.batch_layout import KeyRows
 from model.runtime.batch_slab import BatchSlab
 
 pytestmark = pytest.mark.unit
@@ -144,26 +143,3 @@ def test_a_window_too_long_for_a_row_is_not_seated():
     got = table[index]
     assert torch.equal(got[0], before[0]) and torch.equal(got[1], before[1][1:4])
 
-
-def test_key_rows_name_each_tokens_window_rows_then_its_entries():
-    """What a step hands its attention instead of gathered keys: token i's keys are the
-    rows ``window_index[i]`` of the window table, then the rows ``entry_index[i]`` of
-    the entry table, masked alike; the compiled step's form (gathered keys as a table
-    of their own rows) reads the same keys."""
-    g = torch.Generator().manual_seed(3)
-    window, entries = torch.randn(40, 8, generator=g), torch.randn(25, 8, generator=g)
-    window_index, entry_index = torch.randint(0, 40, (3, 5), generator=g), torch.randint(0, 25, (3, 2), generator=g)
-    window_mask, entry_valid = torch.rand(3, 5, generator=g) > 0.3, torch.rand(3, 2, generator=g) > 0.5
-    rows = KeyRows(window, window_index, window_mask, entries, entry_index, entry_valid)
-    keys, mask = rows.gather()
-    for i in range(3):
-        want = [window[j] for j in window_index[i].tolist()] + [entries[j] for j in entry_index[i].tolist()]
-        assert torch.equal(keys[i], torch.stack(want))
-        assert mask[i].tolist() == window_mask[i].tolist() + entry_valid[i].tolist()
-    assert rows.indexed() is rows
-    gathered = KeyRows(keys, None, mask)
-    assert gathered.gather()[0] is keys
-    again = gathered.indexed()
-    assert again.window.shape == (3 * 7, 8) and again.window_index.shape == (3, 7)
-    assert torch.equal(again.gather()[0], keys) and torch.equal(again.gather()[1], mask)
-    assert KeyRows(window, window_index, window_mask).gather()[1] is window_mask
