@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
 
     handle_signals()
     try:
-        app_args = ready_compiled_step(app_args)
+        app_args = ready_compiled_step(app_args, stopping=lambda: bool(stopping))
         step = decoder_step(app_args)
         with local_app(app_args, args.host, args.port, args.object_store_mb, address=args.address,
                        on_ray_starting=on_ray_starting, on_ray_started=on_ray_started):
@@ -295,7 +295,9 @@ def run(args: argparse.Namespace) -> int:
     except Exception:
         # The handler's _Stopped raised inside Ray's own code (its blocking calls check for
         # signals in Cython, ray._raylet.check_signals) comes out as another exception, a
-        # SystemError: after a stop while starting, whatever unwound the start is that stop.
+        # SystemError, and inside torch's export as an AssertionError (a mode stack popped
+        # twice on the way out): after a stop while starting, whatever unwound the start
+        # is that stop.
         if serving or not stopping:
             raise
         print("v41: stopped while starting", flush=True)

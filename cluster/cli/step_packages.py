@@ -45,10 +45,13 @@ def decoder_step(app_args: dict) -> str:
     return "compiled step" if config.compiles(config.decoder_parallel) else "eager step"
 
 
-def ready_compiled_step(app_args: dict, say: Callable[[str], None] = _say) -> dict:
+def ready_compiled_step(app_args: dict, say: Callable[[str], None] = _say,
+                        stopping: Callable[[], bool] = lambda: False) -> dict:
     """``app_args`` with ``compiled_step`` decided for this host: False where a pool
     would run it but its packages cannot be built here (said why), else as given, the
-    packages built or loaded (said how many, and how long it took)."""
+    packages built or loaded (said how many, and how long it took). A build that fails
+    once ``stopping()`` is true was stopped (a signal's exception raised inside torch's
+    export can come out as another one): that exception goes on, no eager fallback."""
     from actors.config import AppConfig
     from actors.replica import ModelBundle
     from model.runtime import aot
@@ -78,6 +81,8 @@ def ready_compiled_step(app_args: dict, say: Callable[[str], None] = _say) -> di
                 SpeculativeDrafter(bundle.drafter, bundle.engine, None).warm_compiled()
             functions += bundle.engine.compiled.functions.values()
     except Exception as error:  # noqa: BLE001 (whatever stops the build, the server runs eager)
+        if stopping():
+            raise
         say(f"v41: the compiled step could not be built here ({type(error).__name__}: {error}): "
             "serving the eager step (decoding ~2-3x slower)")
         return {**app_args, "compiled_step": False}

@@ -215,6 +215,28 @@ def test_without_a_compiler_the_server_says_so_and_serves_the_eager_step(golden_
     assert ready_compiled_step(eager, said.append) == eager and said == []
 
 
+def test_a_build_that_fails_after_a_stop_is_that_stop_not_an_eager_start(golden_dir, monkeypatch):
+    """Ctrl-C during the build raises inside torch's export, whose way out can replace it
+    with another exception (an AssertionError: a mode stack popped twice): once the
+    server is stopping, that failure goes on as the stop; otherwise it is a build that
+    cannot run here, and the server says so and serves eager."""
+    import actors.replica
+    from cluster.cli.step_packages import ready_compiled_step
+    from model.runtime import aot
+
+    def interrupted(*args, **kwargs):
+        raise AssertionError("Trying to pop empty mode stack")
+
+    monkeypatch.setattr(aot, "compiler_problem", lambda: None)
+    monkeypatch.setattr(actors.replica, "ModelBundle", interrupted)
+    said, args = [], {"model": str(golden_dir), "ssd_dir": None}
+    with pytest.raises(AssertionError, match="mode stack"):
+        ready_compiled_step(args, said.append, stopping=lambda: True)
+    assert not any("eager" in line for line in said)
+    assert ready_compiled_step(args, said.append)["compiled_step"] is False
+    assert "(AssertionError: Trying to pop empty mode stack): serving the eager step" in said[-1]
+
+
 def test_the_drafter_runs_compiled_and_drafts_as_the_eager_one(engines, golden_model):
     """A DSpark drafter bound to the compiled engine runs its layers through the
     compiled functions (its experts stacked like the backbone's) and proposes the
