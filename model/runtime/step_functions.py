@@ -55,6 +55,15 @@ def after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, bas
     streams = mhc.expand(out, streams, attn_post, attn_comb)
     ffn_pre, ffn_post, ffn_comb = mhc.hc_mixes(streams, fn, scale, base, iters, hc_eps, norm_eps)
     x = rms_norm(mhc.collapse(streams, attn_pre), norm_weight, norm_eps)
+    out = moe(x, router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, top_k, scoring_func,
+              gate_temp, norm_topk_prob, scaling, limit)
+    return mhc.expand(out, streams, ffn_post, ffn_comb), ffn_pre
+
+
+def moe(x, router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, top_k: int, scoring_func: str,
+        gate_temp: float, norm_topk_prob: bool, scaling: float, limit: float):
+    """:class:`model.moe.MoE` of ``x`` [N, D] over stacked routed experts (w1 and w3
+    [E, inter, D], w2 [D, E, inter]), in one of the two forms of the module docstring."""
     weights, indices = route(x, router_weight, router_bias.float(), top_k, scoring_func, gate_temp, norm_topk_prob,
                              scaling)
     shared = expert(x, shared_w1, shared_w3, shared_w2, limit).float()
@@ -72,7 +81,7 @@ def after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, bas
         up = F.linear(x, w3.flatten(0, 1)).unflatten(-1, (experts, inter)).float()
         hidden = swiglu(gate, up, limit, dense.unsqueeze(-1)).to(x.dtype)
         routed = F.linear(hidden.flatten(1), w2.flatten(1)).float()
-    return mhc.expand((routed + shared).to(x.dtype), streams, ffn_post, ffn_comb), ffn_pre
+    return (routed + shared).to(x.dtype)
 
 
 def attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads: int, eps: float,
