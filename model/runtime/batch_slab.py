@@ -11,8 +11,8 @@ window, a source's entries, a source's keys), ``[rows, capacity, ...]``, a row p
 sequence: each :class:`~model.runtime.cache.PackedRows` keeps its rows in its row of the
 buffer (:meth:`~model.runtime.cache.PackedRows.adopt`), so that a place's new rows of
 every sequence are written with one indexed copy (:meth:`BatchSlab.append`), every
-window is read with one gather (:meth:`BatchSlab.window_rows` names its rows) and the
-long-range rows are read where they lie (:meth:`BatchSlab.table`), with no padded copy.
+window is read with one gather (:meth:`BatchSlab.read_windows`) and the long-range rows
+are read where they lie (:meth:`BatchSlab.table`), with no padded copy.
 
 A window buffer's rows hold a window and two steps' tokens, twice (so that a window,
 which moves its rows back to the start of its row when an append finds it full, never
@@ -144,22 +144,21 @@ class BatchSlab:
         for packed, m in zip(rows, counts):
             packed.extend(m)
 
-    def window_rows(self, layer: int, windows: list[Window], slots: list[int], firsts: list[int],
-                    lengths: list[int], places: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where each (seated) window's ``lengths[i]`` rows from position ``firsts[i]`` on
-        are: (the buffer's rows flat [R, dim], each window's rows in it [b, T]) for
-        ``places`` = ``arange(T)``, T the longest (a shorter window's index repeats its
-        last row: the caller masks it)."""
-        values = self._buffers["window", layer].values
-        capacity = values.shape[1]
-        starts = [slot * capacity + window.rows.offset + first - window.start
+    def read_windows(self, layer: int, windows: list[Window], slots: list[int], firsts: list[int],
+                     lengths: list[int], places: torch.Tensor) -> torch.Tensor:
+        """Each (seated) window's ``lengths[i]`` rows from position ``firsts[i]`` on,
+        padded: [b, T, dim] for ``places`` = ``arange(T)``, T the longest (a shorter
+        window's padding repeats its last row: the caller masks it)."""
+        buffer = self._buffers["window", layer]
+        starts = [slot * buffer.capacity + window.rows.offset + first - window.start
                   for window, slot, first in zip(windows, slots, firsts)]
 
-        def index() -> torch.Tensor:
+        def make() -> torch.Tensor:
             spans = torch.tensor([lengths, starts], device=places.device)
-            return torch.minimum(places, spans[0, :, None] - 1) + spans[1, :, None]
+            return torch.minimum(places, spans[0, :, None] - 1) + spans[1, :, None]  # [b, T]
 
-        return values.view(-1, values.shape[-1]), self._index_of("window", (*starts, *lengths), index)
+        index = self._index_of("window", (*starts, *lengths), make)
+        return buffer.values.view(-1, buffer.values.shape[-1]).index_select(0, index.view(-1)).view(*index.shape, -1)
 
     def _index_of(self, kind: str, key: tuple, make) -> torch.Tensor:
         """The index tensor of ``kind`` for ``key`` (its values): the last one made when

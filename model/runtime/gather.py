@@ -157,7 +157,7 @@ class CachedKeys:
         lengths = [w.end - first for w, first in zip(windows, firsts)]
         places, mask = self._window_mask(layout, firsts, lengths)
         if seated:
-            window_keys = rows_at(*self.slab.window_rows(plan.index, windows, self.slab_rows, firsts, lengths, places))
+            window_keys = self.slab.read_windows(plan.index, windows, self.slab_rows, firsts, lengths, places)
         else:
             window_keys = padded_rows([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
         keys = layout.each(window_keys)  # [N, Tw, hd]

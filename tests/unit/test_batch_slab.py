@@ -139,7 +139,5 @@ def test_a_window_too_long_for_a_row_is_not_seated():
     windows[1].rows.truncate(4)
     before = [w.rows.values.clone() for w in windows]
     assert slab.seat(("window", 0), [w.rows for w in windows], rows)
-    table, index = slab.window_rows(0, windows, rows, [0, 1], [3, 3], torch.arange(3))
-    got = table[index]
+    got = slab.read_windows(0, windows, rows, [0, 1], [3, 3], torch.arange(3))
     assert torch.equal(got[0], before[0]) and torch.equal(got[1], before[1][1:4])
-
