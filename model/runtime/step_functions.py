@@ -30,7 +30,6 @@ order, so the two agree to float rounding, not bit for bit.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from model import attention, formats, mhc, selection
 from model.formats import BlockFormat
@@ -63,24 +62,24 @@ def after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, bas
 def moe(x, router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, top_k: int, scoring_func: str,
         gate_temp: float, norm_topk_prob: bool, scaling: float, limit: float):
     """:class:`model.moe.MoE` of ``x`` [N, D] over stacked routed experts (w1 and w3
-    [E, inter, D], w2 [D, E, inter]), in one of the two forms of the module docstring."""
+    [D, E, inter], w2 [E, inter, D]), in one of the two forms of the module docstring."""
     weights, indices = route(x, router_weight, router_bias.float(), top_k, scoring_func, gate_temp, norm_topk_prob,
                              scaling)
     shared = expert(x, shared_w1, shared_w3, shared_w2, limit).float()
-    experts, inter = w1.shape[0], w1.shape[1]
+    experts, inter = w1.shape[1], w1.shape[2]
     if x.shape[0] * top_k < experts:  # few tokens: each token's k experts, gathered
-        gate = torch.einsum("nd,nkid->nki", x, w1[indices]).float()
-        up = torch.einsum("nd,nkid->nki", x, w3[indices]).float()
+        gate = torch.einsum("nd,nkdi->nki", x, w1.transpose(0, 1)[indices]).float()
+        up = torch.einsum("nd,nkdi->nki", x, w3.transpose(0, 1)[indices]).float()
         hidden = swiglu(gate, up, limit, weights.unsqueeze(-1)).to(x.dtype)
-        routed = torch.einsum("nki,nkdi->nd", hidden, w2.transpose(0, 1)[indices]).float()
+        routed = torch.einsum("nki,nkid->nd", hidden, w2[indices]).float()
     else:  # as many routed slots as experts: every expert on every token, the unrouted weighted 0,
-        # as three matrix products over the experts side by side ([E * inter, D] and [D, E * inter])
+        # as three matrix products over the experts side by side ([D, E * inter] and [E * inter, D])
         dense = torch.zeros(x.shape[0], experts, dtype=weights.dtype, device=x.device)
         dense = dense.scatter(1, indices, weights)
-        gate = F.linear(x, w1.flatten(0, 1)).unflatten(-1, (experts, inter)).float()
-        up = F.linear(x, w3.flatten(0, 1)).unflatten(-1, (experts, inter)).float()
+        gate = (x @ w1.flatten(1)).unflatten(-1, (experts, inter)).float()
+        up = (x @ w3.flatten(1)).unflatten(-1, (experts, inter)).float()
         hidden = swiglu(gate, up, limit, dense.unsqueeze(-1)).to(x.dtype)
-        routed = F.linear(hidden.flatten(1), w2.flatten(1)).float()
+        routed = (hidden.flatten(1) @ w2.flatten(0, 1)).float()
     return (routed + shared).to(x.dtype)
 
 
