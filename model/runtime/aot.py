@@ -96,7 +96,10 @@ def _example_size(dim: Dynamic) -> int:
 
 def _example(tensor: torch.Tensor, dims: dict[int, Dynamic]) -> torch.Tensor:
     """``tensor`` with each dynamic dimension resized to its example size (rows repeated
-    or dropped; the values do not matter to the code built)."""
+    or dropped; the values do not matter to the code built), contiguous; one without
+    (a weight) as it is, strides and all."""
+    if not dims:
+        return tensor
     for axis, dim in dims.items():
         size = _example_size(dim) * dim.multiple
         if tensor.shape[axis] >= size:
@@ -105,7 +108,7 @@ def _example(tensor: torch.Tensor, dims: dict[int, Dynamic]) -> torch.Tensor:
             shape = [-1] * tensor.dim()
             shape[axis] = size
             tensor = tensor.narrow(axis, 0, 1).expand(*shape)
-    return tensor.contiguous()  # (every input is built and called contiguous)
+    return tensor.contiguous()  # (an activation is built and called contiguous)
 
 
 class _Bound(torch.nn.Module):
@@ -209,14 +212,15 @@ class AotFunction:
         """The variant's package, the places of its tensors in ``args`` (its Nones are
         not passed) and whether each is made contiguous on each call, and the sizes
         checked on each call. The
-        package's kernels assume contiguous inputs (a strided or broadcast view gives
-        wrong sums, not an error), so every input with a dynamic dimension is made
-        contiguous, and any other (a weight: the same tensor on every call of the
-        variant) that is not contiguous now. An input with a dynamic dimension (an
-        activation) has its rank and its other sizes checked: (place, axis, size), axis
-        None for the rank."""
+        package's kernels assume the strides they were built for (another layout gives
+        wrong sums, not an error), so every input with a dynamic dimension (an
+        activation) is built and called contiguous, and has its rank and its other sizes
+        checked: (place, axis, size), axis None for the rank. Any other input is a weight,
+        the same tensor on every call of the variant: built for its strides, which are
+        part of the package's signature (an input-major weight,
+        :mod:`model.runtime.weight_layout`, is read as it is kept), and passed as it is."""
         places = [i for i, a in enumerate(args) if a is None or isinstance(a, torch.Tensor)]
-        copy = frozenset(i for i in places if args[i] is not None and (i in dims or not args[i].is_contiguous()))
+        copy = frozenset(i for i in places if args[i] is not None and i in dims)
         fixed = tuple((i, axis, size) for i in places if i in dims and args[i] is not None
                       for axis, size in [(None, args[i].dim()), *enumerate(args[i].shape)] if axis not in dims[i])
         statics = [None if i in places else args[i] for i in range(len(args))]
@@ -225,7 +229,8 @@ class AotFunction:
             self.fn.__module__, self.fn.__qualname__, statics,
             [None if args[i] is None else (str(args[i].dtype), str(args[i].device),
                                            [dims.get(i, {}).get(axis) or size
-                                            for axis, size in enumerate(args[i].shape)])
+                                            for axis, size in enumerate(args[i].shape)],
+                                           None if i in dims else args[i].stride())
              for i in places]))
         digest = hashlib.sha256(signature.encode()).hexdigest()[:24]
         path = self.cache_dir / f"{self.fn.__name__.strip('_')}-{digest}.pt2"

@@ -47,6 +47,7 @@ from .gather import CachedKeys
 from .batch_slab import BatchSlab
 from .inputs import DecoderInput, ImageSpan
 from .long_range import Rewind, Segment, pool_groups
+from .weight_layout import store_input_major
 
 
 class Engine:
@@ -66,6 +67,7 @@ class Engine:
         their image bias there, Engram's gate is shut there and its n-grams never cross
         them."""
         self.model, self.hasher, self.bounded_replay = model, hasher, bounded_replay
+        store_input_major(model)  # (model.runtime.weight_layout: its few-row products read the weights as kept)
         self.image_token_id = image_token_id
         self.engram_ids = EngramIds(model, hasher, image_token_id)
         self.compiled = None

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..moe import ExpertGroups, MoE
 from ..parallel import ExpertShard
+from .weight_layout import store_input_major
 
 _STOP, _MOE = 0, 1
 
@@ -203,7 +204,10 @@ def serve_experts(group: dist.ProcessGroup, experts: dict[int, nn.ModuleDict], s
                   dtype: torch.dtype) -> int:
     """A non-lead worker's loop: answer the lead's MoE calls with ``experts`` (``{layer:
     {str(expert): Expert}}``, this worker's share) until it says stop. Returns how many
-    calls it answered."""
+    calls it answered. The experts are kept input-major, as the lead's engine keeps its
+    own (:mod:`model.runtime.weight_layout`): every worker multiplies as one process would."""
+    for table in experts.values():
+        store_input_major(table)
     frame = Frame(shard, hidden, dtype)
     answered = 0
     with torch.no_grad():

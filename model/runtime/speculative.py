@@ -45,6 +45,7 @@ from ..transformer import Tap
 from .calibration import Calibration
 from .engine import Engine
 from .sampling import SamplingParams, probabilities
+from .weight_layout import store_input_major
 
 
 # ---------------------------------------------------------------------- drafter context
@@ -69,6 +70,7 @@ class SpeculativeDrafter:
 
     def __init__(self, drafter: DSparkDrafter, engine: Engine, calibration: Calibration | None = None):
         self.drafter, self.engine = drafter.eval(), engine
+        store_input_major(drafter)  # (as the engine keeps the model's: model.runtime.weight_layout)
         self.model = engine.model
         self.targets = tuple(drafter.config.dspark_target_layer_ids)
         self.block_size = drafter.block_size

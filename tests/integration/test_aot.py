@@ -111,3 +111,19 @@ def test_a_new_source_digest_builds_new_packages(built):
     changed = aot.AotFunction(_mix, directory, "changed")
     changed("a", lambda: TOKENS, torch.randn(2, 4), weight, None, 0.5, True)
     assert len(changed.built) == 1
+
+
+def test_a_weight_kept_transposed_is_read_as_kept_by_a_package_of_its_own(built):
+    """A weight is built for its strides (model.runtime.weight_layout keeps the engine's
+    input-major) and passed as it is; the same values row-major are another package."""
+    directory, _, weight = built
+    function = aot.AotFunction(_mix, directory, "strides")
+    kept = weight.t().contiguous().t()  # [5, 4], stored [4, 5]
+    assert not kept.is_contiguous() and torch.equal(kept, weight)
+    for n in (1, 6):
+        x = torch.randn(n, 4)
+        got = function("t", lambda: TOKENS, x, kept, None, 0.5, True)
+        assert torch.allclose(got[0], _mix(x, weight, None, 0.5, True)[0], atol=1e-6)
+    assert dict(function._variants["t"][1])[1] is False  # not copied on each call
+    function("r", lambda: TOKENS, torch.randn(2, 4), weight, None, 0.5, True)
+    assert len(function.built) == 2
