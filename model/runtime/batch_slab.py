@@ -35,6 +35,7 @@ from typing import Literal
 
 import torch
 
+from .batch_layout import rows_at
 from .cache import PackedRows, SequenceCache, Window
 
 Place = tuple[Literal["window", "entries", "keys"], int]
@@ -158,7 +159,7 @@ class BatchSlab:
             return torch.minimum(places, spans[0, :, None] - 1) + spans[1, :, None]  # [b, T]
 
         index = self._index_of("window", (*starts, *lengths), make)
-        return buffer.values.view(-1, buffer.values.shape[-1]).index_select(0, index.view(-1)).view(*index.shape, -1)
+        return rows_at(buffer.values.view(-1, buffer.values.shape[-1]), index)
 
     def _index_of(self, kind: str, key: tuple, make) -> torch.Tensor:
         """The index tensor of ``kind`` for ``key`` (its values): the last one made when
