@@ -28,7 +28,7 @@ caches (:mod:`model.runtime.gather`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -251,12 +251,18 @@ def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.
     [B, S, T, hd] (training gathers them), with ``mask`` [B, S, T] as before."""
     shared = keys.ndim == 3
     logits = torch.einsum("bshd,btd->bhst" if shared else "bshd,bstd->bhst", q.float(), keys.float()) * scaling
-    logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    probs = sink_softmax(logits.masked_fill(~mask.unsqueeze(1), float("-inf")), sink)
+    return torch.einsum("bhst,btd->bshd" if shared else "bhst,bstd->bshd", probs, keys.float()).to(q.dtype)
+
+
+def sink_softmax(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """The attention weights of masked ``logits`` [B, H, S, T] beside each head's sink
+    logit (``sink`` [H]), which takes its share of the softmax and attends to nothing:
+    [B, H, S, T]."""
     sink = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
     combined = torch.cat((logits, sink), dim=-1)
     # The shift only keeps exp in range (the softmax does not depend on it): no gradient through it.
-    probs = torch.softmax(combined - combined.amax(dim=-1, keepdim=True).detach(), dim=-1)[..., :-1]
-    return torch.einsum("bhst,btd->bshd" if shared else "bhst,bstd->bshd", probs, keys.float()).to(q.dtype)
+    return torch.softmax(combined - combined.amax(dim=-1, keepdim=True).detach(), dim=-1)[..., :-1]
 
 
 def attend_each(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
@@ -265,6 +271,24 @@ def attend_each(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: t
     places, its picked entries): ``q`` [N, H, hd], ``keys`` [N, T, hd], ``mask`` [N, T]
     -> [N, H, hd]."""
     return attend(q[:, None], keys, mask[:, None], sink, scaling)[:, 0]
+
+
+def attend_parts(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    """:func:`attend_each` over keys given in parts, ``(keys [N, T_i, hd], mask [N, T_i])``
+    each (a query's window places, its picked entries), as if concatenated along T,
+    without the copy that concatenating them makes: ``q`` [N, H, hd] -> [N, H, hd].
+    The same logits; the weighted sum adds the parts' shares last (equal to float
+    rounding)."""
+    logits = [(torch.einsum("nhd,ntd->nht", q.float(), keys.float()) * scaling).masked_fill(~mask[:, None],
+                                                                                            float("-inf"))
+              for keys, mask in parts]
+    probs = sink_softmax(torch.cat(logits, dim=-1)[:, :, None], sink)[:, :, 0]
+    shares = probs.split([keys.shape[1] for keys, _ in parts], dim=-1)
+    out = torch.einsum("nht,ntd->nhd", shares[0], parts[0][0].float())
+    for share, (keys, _) in zip(shares[1:], parts[1:]):
+        out = out + torch.einsum("nht,ntd->nhd", share, keys.float())
+    return out.to(q.dtype)
 
 
 def output(attended: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,

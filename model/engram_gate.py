@@ -115,21 +115,8 @@ class EngramGate(nn.Module):
         return self.embed(row_ids).float()
 
     def gate(self, streams: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None = None):
-        """``(gate [B, S, hc], value [B, S, D])`` in float32."""
-        weight = self.wkv.weight
-        kv = F.linear(rows.flatten(-2).to(weight.dtype), weight).float()
-        key, value = kv.split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
-        key = key.unflatten(-1, (self.hc_mult, self.hidden_size))
-        h = streams.float()
-        qk = self.q_weight.float() * self.k_weight.float()
-        # Normalised per (token, stream) over D, both the stream and its key.
-        inv = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * qk * key).sum(-1) * inv / self.hidden_size**0.5
-        # Signed square root (copysign: +0 counts as positive), then the sigmoid.
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
-        if token_mask is not None:
-            gate = gate.masked_fill(~token_mask.bool().unsqueeze(-1), 0.0)
-        return gate, value
+        """``(gate [B, S, hc], value [B, S, D])`` in float32 (:func:`gate`)."""
+        return gate(streams, rows, self.wkv.weight, self.q_weight, self.k_weight, self.eps, token_mask)
 
     def forward(
         self, streams: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None = None
@@ -140,6 +127,34 @@ class EngramGate(nn.Module):
         Returns ``streams + gate * value`` in the dtype of ``streams``."""
         if not rows.is_floating_point():
             rows = self.lookup(rows)
-        gate, value = self.gate(streams, rows, token_mask)
-        out = streams.float() + gate.unsqueeze(-1) * value.unsqueeze(-2)
-        return out.to(streams.dtype)
+        return write(streams, rows, self.wkv.weight, self.q_weight, self.k_weight, self.eps, token_mask)
+
+
+def gate(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+         eps: float, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate of each stream and the shared value of Engram ``rows`` [..., n_cols,
+    head_dim] for ``streams`` [..., hc, D], as functions of the gate's weights (``wkv``
+    [(hc + 1) * D, n_cols * head_dim], ``q_weight`` and ``k_weight`` [hc, D]): (gate
+    [..., hc], value [..., D]) in float32; ``token_mask`` False shuts a token's gate."""
+    hc_mult, hidden = q_weight.shape
+    kv = F.linear(rows.flatten(-2).to(wkv.dtype), wkv).float()
+    key, value = kv.split([hc_mult * hidden, hidden], dim=-1)
+    key = key.unflatten(-1, (hc_mult, hidden))
+    h = streams.float()
+    qk = q_weight.float() * k_weight.float()
+    # Normalised per (token, stream) over D, both the stream and its key.
+    inv = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * qk * key).sum(-1) * inv / hidden**0.5
+    # Signed square root (copysign: +0 counts as positive), then the sigmoid.
+    gated = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_CLAMP).sqrt(), dot))
+    if token_mask is not None:
+        gated = gated.masked_fill(~token_mask.bool().unsqueeze(-1), 0.0)
+    return gated, value
+
+
+def write(streams: torch.Tensor, rows: torch.Tensor, wkv: torch.Tensor, q_weight: torch.Tensor,
+          k_weight: torch.Tensor, eps: float, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`EngramGate.forward` of looked-up ``rows`` as a function of the gate's
+    weights (:func:`gate`): ``streams + gate * value`` in the dtype of ``streams``."""
+    gated, value = gate(streams, rows, wkv, q_weight, k_weight, eps, token_mask)
+    return (streams.float() + gated.unsqueeze(-1) * value.unsqueeze(-2)).to(streams.dtype)

@@ -1,14 +1,17 @@
 """How a step's tokens and its sequences' rows are laid out for cache reads batched
 over the sequences (:class:`~model.runtime.gather.CachedKeys`): each token's sequence
 and place (:class:`Layout`), a KV source's long-range rows side by side
-(:class:`LongRangeRows`), and row gathers by index (:func:`rows_at`, :func:`table_rows`)."""
+(:class:`LongRangeRows`), row gathers by index (:func:`rows_at`, :func:`table_rows`),
+and what a layer's reads give its attention (:class:`LayerKeys`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 
 def rows_at(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -63,8 +66,8 @@ class Layout:
 
     def each(self, rows: torch.Tensor) -> torch.Tensor:
         """Per-sequence rows [b, ...] as each token's sequence's row [N, ...]."""
-        if self.slots is None:  # a view when each sequence feeds one token
-            return rows[:, None].expand(self.b, self.n, *rows.shape[1:]).flatten(0, 1)
+        if self.slots is None:  # a view when every sequence feeds as many tokens (itself when one each)
+            return rows if self.n == 1 else rows[:, None].expand(self.b, self.n, *rows.shape[1:]).flatten(0, 1)
         return rows.index_select(0, self.owner)
 
     def rows_at(self, table: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,3 +93,28 @@ class LongRangeRows:
 def padded_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     """Row lists [n_i, d] as one [b, max n_i, d] tensor, zero-padded (one list: a view)."""
     return rows[0][None] if len(rows) == 1 else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+class LayerKeys(NamedTuple):
+    """One layer's keys for a step's N tokens, in two parts that attention reads as
+    one: each token's ``window`` places [N, Tw, hd] (``window_mask`` [N, Tw]) and, past
+    a Window layer, the long-range entries its indexer ``picked`` [N, k, hd]
+    (``picked_valid`` [N, k]; None at a Window layer)."""
+
+    window: torch.Tensor
+    window_mask: torch.Tensor
+    picked: torch.Tensor | None = None
+    picked_valid: torch.Tensor | None = None
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts side by side: (keys [N, Tw + k, hd], mask [N, Tw + k])."""
+        if self.picked is None:
+            return self.window, self.window_mask
+        return torch.cat((self.window, self.picked), dim=1), torch.cat((self.window_mask, self.picked_valid), dim=1)
+
+
+def padded_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence keys [n_i, T_i, ...] or masks [n_i, T_i] as one [sum n_i, max T_i, ...],
+    each padded along T with zeros (masked: False)."""
+    width = max(part.shape[1] for part in parts)
+    return torch.cat([F.pad(part, (0, 0) * (part.dim() - 2) + (0, width - part.shape[1])) for part in parts])

@@ -42,6 +42,19 @@ Place = tuple[Literal["window", "entries", "keys"], int]
 """A cache place of every sequence: a layer's window, or a KV source's entries or keys."""
 
 
+@dataclass(frozen=True)
+class WindowStep:
+    """A step's window reads and writes where every sequence's windows move in lockstep
+    (:meth:`BatchSlab.lockstep`): the same at every layer, so made once a step."""
+
+    append: torch.Tensor  # [M]: the flat buffer row of each new row, the i-th sequence's counts[i] in order
+    read: torch.Tensor  # [b, T]: the flat buffer rows each sequence's window is read from (padded)
+    firsts: list[int]  # each sequence's first position read
+    lengths: list[int]  # and how many rows from it, after the step's new rows
+    counts: list[int]  # each sequence's new rows
+    trims: list[int]  # rows each window drops from its front after the read
+
+
 def rows_of(cache: SequenceCache, place: Place) -> PackedRows | None:
     """The cache's rows at ``place`` (None: a window not built)."""
     kind, index = place
@@ -153,13 +166,66 @@ class BatchSlab:
         buffer = self._buffers["window", layer]
         starts = [slot * buffer.capacity + window.rows.offset + first - window.start
                   for window, slot, first in zip(windows, slots, firsts)]
-
-        def make() -> torch.Tensor:
-            spans = torch.tensor([lengths, starts], device=places.device)
-            return torch.minimum(places, spans[0, :, None] - 1) + spans[1, :, None]  # [b, T]
-
-        index = self._index_of("window", (*starts, *lengths), make)
+        index = self._index_of("window", (*starts, *lengths), lambda: _spans(places, starts, lengths))
         return rows_at(buffer.values.view(-1, buffer.values.shape[-1]), index)
+
+    def lockstep(self, caches: list[SequenceCache], slots: list[int], counts: list[int], firsts: list[int],
+                 window: int, trimmed: list[bool]) -> WindowStep | None:
+        """The step's :class:`WindowStep` when every sequence's windows move in lockstep:
+        each of its layers has a window, seated here, of the same positions, ending at
+        ``firsts[i]`` (where its ``counts[i]`` new tokens start). A sequence's windows
+        are built and slide together; where they lie in their rows may part (one rebuilt
+        and seated again, rows that reach the end of theirs): those are moved to the
+        front of their rows here, all of them, so that they lie alike again. Else None,
+        and each layer reads its own. ``window`` the rows a window keeps; ``trimmed[i]``:
+        whether the i-th sequence's windows drop their excess after the read (a verify's
+        wait for accept)."""
+        layers = len(caches[0].windows)
+        buffers = [self._buffers.get(("window", layer)) for layer in range(layers)]
+        if any(buffer is None for buffer in buffers):
+            return None
+        values_of = [buffer.values_of for buffer in buffers]
+        capacity = self.window_capacity
+        append, read_firsts, lengths, starts, trims = [], [], [], [], []
+        for cache, slot, m, first, trim in zip(caches, slots, counts, firsts, trimmed):
+            windows = cache.windows
+            if windows[0] is None:
+                return None
+            start, n, offset = windows[0].start, windows[0].rows.n, windows[0].rows.offset
+            if start + n != first:
+                return None
+            alike = True
+            for buffer_rows, kept in zip(values_of, windows):
+                if kept is None or kept.start != start or kept.rows.n != n or not kept.rows.holds(buffer_rows[slot]):
+                    return None
+                alike = alike and kept.rows.offset == offset
+            if not alike or offset + n + m > capacity:
+                for kept in windows:
+                    kept.rows.to_front()
+                offset = 0
+            row = slot * capacity + offset
+            append.extend(range(row + n, row + n + m))
+            read_first = max(start, first - window + 1)  # what the first new token reads on
+            read_firsts.append(read_first)
+            lengths.append(first + m - read_first)
+            starts.append(row + read_first - start)
+            trims.append(max(0, n + m - window) if trim else 0)
+        device = caches[0].windows[0].rows.device
+        places = torch.arange(max(lengths), device=device)
+        return WindowStep(torch.tensor(append, device=device), _spans(places, starts, lengths), read_firsts, lengths,
+                          counts, trims)
+
+    def write_windows(self, layer: int, step: WindowStep, encoded: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """:meth:`append` of a lockstep ``step``'s new rows at ``layer``: the buffer rows
+        only (the caller counts them in each window's rows)."""
+        buffer = self._buffers["window", layer]
+        for flat, new in zip((buffer.data, buffer.values), encoded):
+            flat.view(-1, flat.shape[-1]).index_copy_(0, step.append, new)
+
+    def read_lockstep(self, layer: int, step: WindowStep) -> torch.Tensor:
+        """:meth:`read_windows` of a lockstep ``step`` at ``layer``: [b, T, dim]."""
+        values = self._buffers["window", layer].values
+        return rows_at(values.view(-1, values.shape[-1]), step.read)
 
     def _index_of(self, kind: str, key: tuple, make) -> torch.Tensor:
         """The index tensor of ``kind`` for ``key`` (its values): the last one made when
@@ -219,3 +285,10 @@ class BatchSlab:
                 self._evict(row)
         self.occupants = [None] * max(rows, 2 * len(self.occupants))
         self._buffers = {}
+
+
+def _spans(places: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """Flat buffer rows [b, T] of spans of ``lengths[i]`` rows from row ``starts[i]``, for
+    ``places`` = ``arange(T)``, T the longest: a shorter span's tail repeats its last row."""
+    spans = torch.tensor([lengths, starts], device=places.device)
+    return torch.minimum(places, spans[0, :, None] - 1) + spans[1, :, None]

@@ -150,16 +150,22 @@ class PackedRows:
         capacity = self._data.shape[0]
         if self._first + n <= capacity:
             return
+        if 2 * n <= capacity:
+            self.to_front()
+            return
         rows = slice(self._first, self._first + self.n)
-        if 2 * n <= capacity:  # (clone: the source and destination ranges may overlap)
+        data = torch.empty(max(n, 2 * capacity, 16), self.row_bytes, dtype=torch.uint8, device=self.device)
+        values = torch.empty(data.shape[0], self.dim, dtype=torch.float32, device=self.device)
+        data[: self.n], values[: self.n] = self._data[rows], self._values[rows]
+        self._data, self._values, self._first = data, values, 0
+
+    def to_front(self) -> None:
+        """Move the rows to the start of their buffer (where they stay kept)."""
+        if self._first:
+            rows = slice(self._first, self._first + self.n)  # (clone: the two ranges may overlap)
             self._data[: self.n] = self._data[rows].clone()
             self._values[: self.n] = self._values[rows].clone()
-        else:
-            data = torch.empty(max(n, 2 * capacity, 16), self.row_bytes, dtype=torch.uint8, device=self.device)
-            values = torch.empty(data.shape[0], self.dim, dtype=torch.float32, device=self.device)
-            data[: self.n], values[: self.n] = self._data[rows], self._values[rows]
-            self._data, self._values = data, values
-        self._first = 0
+            self._first = 0
 
 
 def encode_rows(fmt: BlockFormat, payload: int, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

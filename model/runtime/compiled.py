@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from model import attention, formats, mhc, moe, norm, selection
+from model import attention, engram_gate, formats, mhc, moe, norm, selection
 from model.attention import CSA2Attention
 from model.formats import BlockFormat
 from model.moe import MoE
@@ -93,6 +93,7 @@ class _LayerArgs(NamedTuple):
     indexer: tuple  # the indexer's query weights and heads (Nones and 0 without one)
     attention_out: tuple  # the sink and the output projection's weights
     attention_out_sizes: tuple  # the scaling and the output groups
+    engram: tuple  # an Engram layer's gate weights and eps (Nones and 0.0 without one)
 
 
 def _jit(compiled: Callable) -> Callable:
@@ -122,7 +123,7 @@ class CompiledBlocks:
                      "draft_attention": draft_attention}
         if mode == "aot":
             digest = aot.source_digest([sys.modules[__name__], step_functions, attention, selection, mhc, moe, norm,
-                                        formats, cache, batch_layout])
+                                        formats, cache, batch_layout, engram_gate])
             self.functions: dict[str, Callable] = {
                 name: aot.AotFunction(fn, self.cache_dir, digest) for name, fn in functions.items()}
         else:
@@ -139,7 +140,7 @@ class CompiledBlocks:
         blocks, width = aot.Dynamic("b", 1, max_tokens), aot.Dynamic("t", 1, 1 << 16)
         self._draft_dims = {0: {0: blocks}, 1: {0: blocks}, 2: {0: blocks}, 3: {0: blocks, 1: width},
                             4: {0: blocks, 1: width}}
-        self._layer_in_dims = {0: {0: tokens}, 1: {0: tokens}, 6: {1: tokens}, 7: {1: tokens}}
+        self._layer_in_dims = {0: {0: tokens}, 1: {0: tokens}, 6: {1: tokens}, 7: {1: tokens}, 23: {0: tokens}}
         config = model.config
         self._mhc = (config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
         self._weights: dict[int, _LayerArgs] = {}
@@ -165,6 +166,8 @@ class CompiledBlocks:
                                                          indexer.n_heads),
                 (attn.attn_sink, attn.wo_a.weight, attn.wo_b.weight),
                 (attn.scaling, attn.o_groups),
+                (None, None, None, 0.0) if block.engram is None else (
+                    block.engram.wkv.weight, block.engram.q_weight, block.engram.k_weight, block.engram.eps),
             )
 
     def handles(self, n_tokens: int) -> bool:
@@ -227,10 +230,10 @@ class CompiledBlocks:
                  engram_rows: torch.Tensor | None = None):
         """:meth:`Block.forward` (no image tokens) reading ``keys``: (streams, the next
         ``pre``). Over the engine's caches (:class:`~model.runtime.gather.CachedKeys`) a
-        layer is two calls, :func:`layer_in` and :func:`layer_out`, around the cache
-        reads; over other keys, four, their ``attend`` between."""
-        if block.engram is not None:
-            streams = block.engram(streams, engram_rows, None)
+        layer is two calls, :func:`layer_in` (an Engram layer's write of ``engram_rows``
+        in it) and :func:`layer_out` (the keys read in two parts: the window places and
+        the picked entries), around the cache reads; over other keys, four, their
+        ``attend`` between."""
         layer = self._weights[block.plan.index]
         before, after, routing = layer.before, layer.after, layer.routing
         index = block.plan.index
@@ -238,6 +241,8 @@ class CompiledBlocks:
         gathered = streams.shape[0] * routing[0] < experts  # the MoE's form (see after_attention)
         moe_dims = lambda: self._moe_dims(gathered, routing[0], experts)  # noqa: E731
         if not isinstance(keys, CachedKeys):
+            if block.engram is not None:
+                streams = block.engram(streams, engram_rows, None)
             x, attn_pre, attn_post, attn_comb = self._before(index, lambda: self._token_dims, streams, pre, *before,
                                                              *self._mhc)
             out = keys.attend(block, x)
@@ -246,20 +251,29 @@ class CompiledBlocks:
         cos, sin = keys.rotary_at(block)
         window = keys.window_rows(block)
         blocked = isinstance(window.fmt, BlockFormat)  # (a float32 cache: tiny test configs)
-        x, attn_pre, attn_post, attn_comb, q, q_residual, rows, values, index_query = self._layer_in(
+        if engram_rows is not None and not engram_rows.is_floating_point():
+            engram_rows = block.engram.lookup(engram_rows)
+        out = self._layer_in(
             index, lambda: self._layer_in_dims, streams, pre, *before, cos, sin, *layer.attention_in, *self._mhc,
-            *layer.attention_in_sizes, window.fmt if blocked else None, window.payload, *layer.indexer)
-        gathered_keys, mask = keys.read(block, x, q_residual, _encoded(window, rows, values), index_query)
-        return self._layer_out((index, gathered), lambda: self._layer_out_dims(moe_dims()), q, gathered_keys, mask,
+            *layer.attention_in_sizes, window.fmt if blocked else None, window.payload, *layer.indexer, engram_rows,
+            *layer.engram)
+        if engram_rows is not None:  # (an Engram layer's call gives the streams it wrote first)
+            streams, out = out[0], out[1:]
+        x, attn_pre, attn_post, attn_comb, q, q_residual, rows, values, index_query = out
+        read = keys.read(block, x, q_residual, _encoded(window, rows, values), index_query)
+        picked = read.picked if read.picked is not None and read.picked.shape[1] else None  # (none picked: none)
+        return self._layer_out((index, gathered, picked is None), lambda: self._layer_out_dims(moe_dims()), q,
+                               read.window, read.window_mask, picked, None if picked is None else read.picked_valid,
                                cos, sin, *layer.attention_out, streams, attn_pre, attn_post, attn_comb, *after,
                                *layer.attention_out_sizes, *self._mhc, *routing)
 
     def _layer_out_dims(self, moe_dims: aot.Dims) -> aot.Dims:
         """:func:`layer_out`'s dynamic dimensions: the token count (in the MoE form's
-        range) of the queries, keys, mask, cos, sin, streams and mixes; the keys' width."""
-        tokens, keys = moe_dims[0][0], self._keys_width
-        return {0: {1: tokens}, 1: {0: tokens, 1: keys}, 2: {0: tokens, 1: keys}, 3: {1: tokens}, 4: {1: tokens},
-                **{i: {0: tokens} for i in range(8, 12)}}
+        range) of the queries, window keys and mask, picked entries and their mask, cos,
+        sin, streams and mixes; the window's width and the number picked."""
+        tokens, width, picked = moe_dims[0][0], self._keys_width, aot.Dynamic("k", 1, 1 << 16)
+        return {0: {1: tokens}, 1: {0: tokens, 1: width}, 2: {0: tokens, 1: width}, 3: {0: tokens, 1: picked},
+                4: {0: tokens, 1: picked}, 5: {1: tokens}, 6: {1: tokens}, **{i: {0: tokens} for i in range(10, 14)}}
 
     def _pool_dims(self, ratio: int) -> aot.Dims:
         """Pooling's rows [B, G * ratio, D] and cos / sin [B, G, rd]: B and G dynamic."""

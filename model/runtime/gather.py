@@ -7,11 +7,15 @@ only the candidate pool). Tokens of all sequences in a step are flattened into o
 batch for the projections and the attention itself (:class:`CachedKeys`, the
 engine's :class:`~model.transformer.Keys`); the cache reads (window places, pooling,
 the indexer, the gathers) run once over the padded batch in steps of a few tokens per
-sequence (:class:`Layout`), and per sequence otherwise (long prompts).
+sequence (:class:`Layout`), and per sequence otherwise (long prompts). Where the
+batch's windows are kept side by side and slide together (every layer's window of a
+sequence holds the same positions: :meth:`~model.runtime.batch_slab.BatchSlab.lockstep`),
+a step's window writes and reads are worked out once, not at every layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,8 +25,8 @@ from ..attention import attend_each
 from ..config import AttentionMode
 from ..selection import candidate_entries, select_entries
 from ..transformer import Block, Transformer
-from .batch_layout import Layout, LongRangeRows, padded_rows, rows_at
-from .batch_slab import BatchSlab
+from .batch_layout import LayerKeys, Layout, LongRangeRows, padded_cat, padded_rows, rows_at
+from .batch_slab import BatchSlab, WindowStep
 from .cache import Window
 from .long_range import Segment, pool_groups
 
@@ -70,7 +74,7 @@ class CachedKeys:
         cos, sin = self.rotary_at(block)
         q, q_residual = attn.queries(x[None], cos, sin)
         window_rows = self.window_rows(block).encode(attn.window_raw(x[None], cos, sin)[0])
-        keys, mask = self.read(block, x, q_residual, window_rows, None)
+        keys, mask = self.read(block, x, q_residual, window_rows, None).joined()
         chunk = self.query_chunk
         return attn.output(torch.cat([
             attend_each(q[0, i : i + chunk], keys[i : i + chunk], mask[i : i + chunk], attn.attn_sink, attn.scaling)
@@ -92,16 +96,19 @@ class CachedKeys:
 
     def read(self, block: Block, x: torch.Tensor, q_residual: torch.Tensor,
              window_rows: tuple[torch.Tensor, torch.Tensor],
-             index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+             index_query: tuple[torch.Tensor, torch.Tensor] | None) -> LayerKeys:
         """Every cache read of one layer's attention: the step's new window rows
         (``window_rows``: bytes [N, row bytes] and values [N, hd], every sequence's,
         encoded at once) appended to each sequence's window, then each token's keys
-        [N, T, hd] and mask [N, T] (:meth:`_batch_keys` or :meth:`_sequence_keys`). The
+        (:meth:`_batch_keys` or :meth:`_sequence_keys`). The
         windows are trimmed to ``sliding_window`` rows after (the keys are already read:
         a trim only moves a window's start). ``x`` [N, D] the layer's normalised input;
         ``q_residual`` and ``index_query`` as the queries' projection gave them."""
         plan, segments = block.plan, self.segments
         cos, sin = self.rotary_at(block)
+        step = self._lockstep()
+        if step is not None:
+            return self._lockstep_keys(block, step, x, q_residual, cos, sin, window_rows, index_query)
         windows = [self._window(plan.index, segment) for segment in segments]
         place, rows = ("window", plan.index), [window.rows for window in windows]
         seated = self.slab is not None and self.slab.seat(place, rows, self.slab_rows)
@@ -113,15 +120,46 @@ class CachedKeys:
                 window.rows.append_encoded(window_bytes[segment.lo : segment.hi],
                                            window_values[segment.lo : segment.hi])
         if self.batched:
-            keys, mask = self._batch_keys(block, windows, x, q_residual, cos, sin, index_query, seated)
+            keys = self._batch_keys(block, windows, x, q_residual, cos, sin, index_query, seated)
         else:
-            keys, mask = self._sequence_keys(block, windows, x, q_residual, cos, sin, index_query)
+            keys = self._sequence_keys(block, windows, x, q_residual, cos, sin, index_query)
         for segment, window in zip(segments, windows):
             excess = window.rows.n - self.window
             if excess > 0 and segment.rewind is None:  # a verify step's windows are trimmed by accept
                 window.rows.drop_front(excess)
                 window.start += excess
-        return keys, mask
+        return keys
+
+    def _lockstep(self) -> WindowStep | None:
+        """The step's window reads and writes when its sequences' windows move in
+        lockstep in the slab (:meth:`BatchSlab.lockstep`, found at the step's first read)."""
+        if self.slab is None:
+            return None
+        if "lockstep" not in self.picks:
+            segments = self.segments
+            self.picks["lockstep"] = self.slab.lockstep(
+                [s.cache for s in segments], self.slab_rows, self.counts, [s.first for s in segments], self.window,
+                [s.rewind is None for s in segments])  # (a verify step's windows are trimmed by accept)
+        return self.picks["lockstep"]
+
+    def _lockstep_keys(self, block: Block, step: WindowStep, x: torch.Tensor, q_residual: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, window_rows: tuple[torch.Tensor, torch.Tensor],
+                       index_query: tuple[torch.Tensor, torch.Tensor] | None) -> LayerKeys:
+        """:meth:`read` of one layer in a lockstep ``step``: its windows' new rows written
+        and read with the step's index tensors, then each window's rows counted and
+        trimmed in one pass (no per-sequence work but that)."""
+        layer = block.plan.index
+        self.slab.write_windows(layer, step, window_rows)
+        keys = self._long_range_keys(block, self._window_keys(step.firsts, step.lengths,
+                                                              lambda places: self.slab.read_lockstep(layer, step)),
+                                     x, q_residual, cos, sin, index_query)
+        for segment, m, trim in zip(self.segments, step.counts, step.trims):
+            window = segment.cache.windows[layer]
+            window.rows.extend(m)
+            if trim:
+                window.rows.drop_front(trim)
+                window.start += trim
+        return keys
 
     @staticmethod
     def _window(layer: int, segment: Segment) -> Window:
@@ -136,11 +174,10 @@ class CachedKeys:
 
     def _batch_keys(self, block: Block, windows: list[Window], x: torch.Tensor, q_residual: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None,
-                    seated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    seated: bool = False) -> LayerKeys:
         """:meth:`_sequence_keys` for ``b`` sequences of at most ``n`` tokens each, in a
-        fixed number of tensor ops however many sequences there are: (keys [N, T, hd],
-        mask [N, T]) for the step's tokens (their :class:`Layout` in ``picks``, made
-        once per step).
+        fixed number of tensor ops however many sequences there are: the step's tokens'
+        keys (their :class:`Layout` in ``picks``, made once per step).
 
         Each sequence's window rows that any of its queries may read are one slice of
         its window; the slices are padded to the longest sequence, and each token
@@ -149,33 +186,54 @@ class CachedKeys:
         is masked, so each query attends to the places the per-sequence path gives it
         (in another order where sequences are padded: equal to float rounding).
         ``seated``: the windows are in the step's slab, which reads them all at once."""
-        plan, device, segments, state = block.plan, x.device, self.segments, self.picks
-        if "layout" not in state:
-            state["layout"] = Layout.of(self.counts, device)
-        layout: Layout = state["layout"]
-        firsts = [max(w.start, s.first - self.window + 1) for s, w in zip(segments, windows)]
+        layer = block.plan.index
+        firsts = [max(w.start, s.first - self.window + 1) for s, w in zip(self.segments, windows)]
         lengths = [w.end - first for w, first in zip(windows, firsts)]
-        places, mask = self._window_mask(layout, firsts, lengths)
         if seated:
-            window_keys = self.slab.read_windows(plan.index, windows, self.slab_rows, firsts, lengths, places)
+            def read(places: torch.Tensor) -> torch.Tensor:
+                return self.slab.read_windows(layer, windows, self.slab_rows, firsts, lengths, places)
         else:
-            window_keys = padded_rows([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
-        keys = layout.each(window_keys)  # [N, Tw, hd]
-        if plan.mode is not AttentionMode.WINDOW:
-            source = plan.kv_source
-            if plan.mode is AttentionMode.FULL:
-                state["seated", source] = self._seat_long_range(source)
-                pool_groups(self.model, self.compiled, block, segments, x,
-                            self.slab if state["seated", source] else None, self.slab_rows)
-            if ("rows", source) not in state:  # after the source's own layer added this step's groups
-                state["rows", source] = self._long_range_rows(source, layout, state.get(("seated", source), False))
-            rows: LongRangeRows = state["rows", source]
-            if plan.runs_indexer:
-                state[plan.index] = self._batch_pick(block, rows, x, q_residual, cos, sin, index_query)
-            index, valid = state[plan.index_source]  # [N, k]
-            keys = torch.cat((keys, layout.rows_at(rows.entries, index, rows.row)), dim=1)
-            mask = torch.cat((mask, valid), dim=1)
-        return keys, mask
+            def read(places: torch.Tensor) -> torch.Tensor:
+                return padded_rows([w.rows.values[first - w.start :] for w, first in zip(windows, firsts)])
+        return self._long_range_keys(block, self._window_keys(firsts, lengths, read), x, q_residual, cos, sin,
+                                     index_query)
+
+    def _layout(self) -> Layout:
+        """The step's :class:`Layout` (made once a step)."""
+        if "layout" not in self.picks:
+            self.picks["layout"] = Layout.of(self.counts, self.positions.device)
+        return self.picks["layout"]
+
+    def _window_keys(self, firsts: list[int], lengths: list[int],
+                     read: Callable[[torch.Tensor], torch.Tensor]) -> LayerKeys:
+        """Each token's window part of a batched step: its sequence's window rows from
+        position ``firsts[i]`` on, ``lengths[i]`` of them, as ``read(places)`` gives them
+        padded [b, T, hd] (places = ``arange(T)``), and its mask over them."""
+        layout = self._layout()
+        places, mask = self._window_mask(layout, firsts, lengths)
+        return LayerKeys(layout.each(read(places)), mask)  # [N, Tw, hd]
+
+    def _long_range_keys(self, block: Block, window_keys: LayerKeys, x: torch.Tensor, q_residual: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor,
+                         index_query: tuple[torch.Tensor, torch.Tensor] | None) -> LayerKeys:
+        """``window_keys`` and, past a Window layer, each token's picked entries of a
+        batched step: a Full layer pools its groups first, a layer that runs an indexer
+        picks (``index_query`` as in :meth:`_batch_pick`)."""
+        plan, state, layout = block.plan, self.picks, self._layout()
+        if plan.mode is AttentionMode.WINDOW:
+            return window_keys
+        source = plan.kv_source
+        if plan.mode is AttentionMode.FULL:
+            state["seated", source] = self._seat_long_range(source)
+            pool_groups(self.model, self.compiled, block, self.segments, x,
+                        self.slab if state["seated", source] else None, self.slab_rows)
+        if ("rows", source) not in state:  # after the source's own layer added this step's groups
+            state["rows", source] = self._long_range_rows(source, layout, state.get(("seated", source), False))
+        rows: LongRangeRows = state["rows", source]
+        if plan.runs_indexer:
+            state[plan.index] = self._batch_pick(block, rows, x, q_residual, cos, sin, index_query)
+        index, valid = state[plan.index_source]  # [N, k]
+        return window_keys._replace(picked=layout.rows_at(rows.entries, index, rows.row), picked_valid=valid)
 
     def _window_mask(self, layout: Layout, firsts: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The window places ``arange(T)`` and each token's mask over them [N, T], for
@@ -272,49 +330,40 @@ class CachedKeys:
 
     def _sequence_keys(self, block: Block, windows: list[Window], x: torch.Tensor, q_residual: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, index_query: tuple[torch.Tensor, torch.Tensor] | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token's keys [N, T, hd] and mask [N, T], sequence by sequence (each
-        sequence's new window rows already in its window); sequences short of top-k
-        entries are padded with masked keys. ``index_query`` as in :meth:`_batch_pick`."""
-        keys, masks = [], []
+                       ) -> LayerKeys:
+        """Every token's keys, sequence by sequence (each sequence's new window rows
+        already in its window); each part is padded to the widest sequence's with masked
+        keys. ``index_query`` as in :meth:`_batch_pick`."""
+        keys = []
         for segment, window, segment_picks in zip(self.segments, windows, self.picks):
             part = slice(segment.lo, segment.hi)
-            segment_keys, mask = self._keys(block, segment, window, x, q_residual[:, part], cos[:, part],
-                                            sin[:, part], segment_picks,
-                                            None if index_query is None else tuple(t[:, part] for t in index_query))
-            keys.append(segment_keys)
-            masks.append(mask)
+            keys.append(self._keys(block, segment, window, x, q_residual[:, part], cos[:, part], sin[:, part],
+                                   segment_picks, None if index_query is None else tuple(t[:, part] for t in index_query)))
         if len(keys) == 1:
-            return keys[0], masks[0]
-        width = max(k.shape[1] for k in keys)
-        keys = [F.pad(k, (0, 0, 0, width - k.shape[1])) for k in keys]
-        masks = [F.pad(m, (0, width - m.shape[1])) for m in masks]
-        return torch.cat(keys), torch.cat(masks)
+            return keys[0]
+        return LayerKeys(*(None if parts[0] is None else padded_cat(parts) for parts in zip(*keys)))
 
     def _keys(self, block: Block, segment: Segment, window: Window, x: torch.Tensor, q_residual: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, picks: dict,
-              index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's keys at one layer, its new rows already in its ``window``:
-        (keys [n, W + k, hd], mask [n, W + k]) for its n tokens, the window places of
-        each query and, past a Window layer, the long-range entries its indexer picks.
-        ``x`` is the whole batch's [N, D]; the rest this sequence's."""
+              index_query: tuple[torch.Tensor, torch.Tensor] | None) -> LayerKeys:
+        """One sequence's keys at one layer, its new rows already in its ``window``: for
+        its n tokens, the window places of each query [n, W, hd] and, past a Window
+        layer, the long-range entries its indexer picks [n, k, hd]. ``x`` is the whole
+        batch's [N, D]; the rest this sequence's."""
         plan, cache, positions = block.plan, segment.cache, segment.positions
         # Window places of each query: positions p - W + 1 .. p, where cached.
         offsets = torch.arange(self.window, device=x.device) - (self.window - 1)
         win_index = positions[:, None] + offsets[None] - window.start  # [n, W]
-        mask = win_index >= 0
-        keys = rows_at(window.rows.values, win_index.clamp_min(0))  # [n, W, hd]
-        if plan.mode is not AttentionMode.WINDOW:
-            if plan.mode is AttentionMode.FULL:
-                pool_groups(self.model, self.compiled, block, [segment], x)
-            entries = cache.entries[plan.kv_source].values
-            if plan.runs_indexer:
-                picks[plan.index] = self._pick(block, cache, x[segment.lo : segment.hi], q_residual, cos, sin,
-                                               positions, picks, index_query)
-            index, valid = picks[plan.index_source]
-            keys = torch.cat((keys, rows_at(entries, index)), dim=1)  # [n, W + k, hd]
-            mask = torch.cat((mask, valid), dim=1)
-        return keys, mask
+        window_keys = LayerKeys(rows_at(window.rows.values, win_index.clamp_min(0)), win_index >= 0)
+        if plan.mode is AttentionMode.WINDOW:
+            return window_keys
+        if plan.mode is AttentionMode.FULL:
+            pool_groups(self.model, self.compiled, block, [segment], x)
+        if plan.runs_indexer:
+            picks[plan.index] = self._pick(block, cache, x[segment.lo : segment.hi], q_residual, cos, sin, positions,
+                                           picks, index_query)
+        index, valid = picks[plan.index_source]
+        return window_keys._replace(picked=rows_at(cache.entries[plan.kv_source].values, index), picked_valid=valid)
 
     def _pick(self, block: Block, cache, x, q_residual, cos, sin, positions, picks,
               index_query: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,3 +403,4 @@ class CachedKeys:
         if pools:
             picks["candidates"] = tuple(torch.cat(parts) for parts in zip(*pools))
         return torch.cat(indices), torch.cat(valid)
+

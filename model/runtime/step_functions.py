@@ -3,11 +3,13 @@
 What :class:`model.runtime.compiled.CompiledBlocks` builds and calls: each function
 takes tensors (activations and weights) and plain numbers, never a module, so that
 AOTInductor can export it once and run it for every layer that shares its shapes. A
-layer over the engine's caches is :func:`layer_in` (the attention site's mHC mixes,
-collapse and norm, then the queries, the new window rows and their FP8 bytes, and the
-indexer's query of a layer that runs one) and :func:`layer_out` (each token's
-attention over the keys the engine gathered for it, the output projection, then
-expand, the FFN site's mixes, collapse, norm, the MoE, expand). :func:`pick` and
+layer over the engine's caches is :func:`layer_in` (an Engram layer's write of its rows
+into the streams, the attention site's mHC mixes, collapse and norm, then the queries,
+the new window rows and their FP8 bytes, and the indexer's query of a layer that runs
+one) and :func:`layer_out` (each token's attention over the keys the engine gathered
+for it, its window places and its picked entries read as two parts, not copied side by
+side; the output projection, then expand, the FFN site's mixes, collapse, norm, the
+MoE, expand). :func:`pick` and
 :func:`repick` are a batched step's indexer picks, :func:`pool_groups` a Full layer's
 pooling of the groups completed in the step, :func:`draft_attention` a DSpark drafter
 layer's attention, and :func:`before_attention` / :func:`after_attention` the
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from model import attention, formats, mhc, selection
+from model import attention, engram_gate, formats, mhc, selection
 from model.formats import BlockFormat
 from model.moe import expert, route, swiglu
 from model.norm import rms_norm
@@ -125,32 +127,42 @@ def pool_groups(rows, cos, sin, wkv, wgate, norm, ratio: int, eps: float, wk, k_
             (keys, None) if key_format is None else encode_rows(key_format, key_payload, keys))
 
 
-def attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling: float, o_groups: int):
-    """Each token's attention over its own keys [N, T, hd] (mask [N, T]), projected out: [N, D]."""
-    out = attention.attend_each(q[0], keys, mask, sink, scaling)
+def attention_out(q, keys, mask, picked, picked_valid, cos, sin, sink, wo_a, wo_b, scaling: float, o_groups: int):
+    """Each token's attention over its own window places ``keys`` [N, Tw, hd] (``mask``
+    [N, Tw]) and picked entries [N, k, hd] (``picked_valid``; None at a Window layer),
+    projected out: [N, D]."""
+    parts = [(keys, mask)] + ([] if picked is None else [(picked, picked_valid)])
+    out = attention.attend_parts(q[0], parts, sink, scaling)
     return attention.output(out[None], cos, sin, wo_a, wo_b, o_groups)[0]
 
 
 def layer_in(streams, pre, fn, scale, base, norm_weight, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, iters: int,
              hc_eps: float, norm_eps: float, n_heads: int, eps: float, window_format: BlockFormat | None,
-             payload: int, index_wq_b, index_weights, index_heads: int):
-    """A layer's work before its cache reads, in one call: :func:`before_attention`
-    then :func:`attention_in` of its output: (x, its three mixes, then what
-    :func:`attention_in` returns)."""
+             payload: int, index_wq_b, index_weights, index_heads: int, engram_rows, engram_wkv, engram_q,
+             engram_k, engram_eps: float):
+    """A layer's work before its cache reads, in one call: an Engram layer's write of
+    its ``engram_rows`` [N, cols, hd] into the streams (None: not one), then
+    :func:`before_attention` and :func:`attention_in` of its output: (the written
+    streams of an Engram layer, x, its three mixes, then what :func:`attention_in`
+    returns)."""
+    written = ()
+    if engram_rows is not None:
+        streams = engram_gate.write(streams, engram_rows, engram_wkv, engram_q, engram_k, engram_eps)
+        written = (streams,)
     x, attn_pre, attn_post, attn_comb = before_attention(streams, pre, fn, scale, base, norm_weight, iters, hc_eps,
                                                          norm_eps)
-    return (x, attn_pre, attn_post, attn_comb,
+    return (*written, x, attn_pre, attn_post, attn_comb,
             *attention_in(x, cos, sin, wq_a, q_norm, wq_b, wkv, kv_norm, n_heads, eps, window_format, payload,
                            index_wq_b, index_weights, index_heads))
 
 
-def layer_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, streams, attn_pre, attn_post, attn_comb, fn, scale, base,
-              norm_weight, router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, scaling: float,
-              o_groups: int, iters: int, hc_eps: float, norm_eps: float, top_k: int, scoring_func: str,
-              gate_temp: float, norm_topk_prob: bool, moe_scaling: float, limit: float):
+def layer_out(q, keys, mask, picked, picked_valid, cos, sin, sink, wo_a, wo_b, streams, attn_pre, attn_post,
+              attn_comb, fn, scale, base, norm_weight, router_weight, router_bias, w1, w3, w2, shared_w1, shared_w3,
+              shared_w2, scaling: float, o_groups: int, iters: int, hc_eps: float, norm_eps: float, top_k: int,
+              scoring_func: str, gate_temp: float, norm_topk_prob: bool, moe_scaling: float, limit: float):
     """A layer's work after its cache reads, in one call: :func:`attention_out` then
     :func:`after_attention`: (streams, the next site's ``pre``)."""
-    out = attention_out(q, keys, mask, cos, sin, sink, wo_a, wo_b, scaling, o_groups)
+    out = attention_out(q, keys, mask, picked, picked_valid, cos, sin, sink, wo_a, wo_b, scaling, o_groups)
     return after_attention(out, streams, attn_pre, attn_post, attn_comb, fn, scale, base, norm_weight, router_weight,
                            router_bias, w1, w3, w2, shared_w1, shared_w3, shared_w2, iters, hc_eps, norm_eps, top_k,
                            scoring_func, gate_temp, norm_topk_prob, moe_scaling, limit)

@@ -141,3 +141,43 @@ def test_a_window_too_long_for_a_row_is_not_seated():
     assert slab.seat(("window", 0), [w.rows for w in windows], rows)
     got = slab.read_windows(0, windows, rows, [0, 1], [3, 3], torch.arange(3))
     assert torch.equal(got[0], before[0]) and torch.equal(got[1], before[1][1:4])
+
+
+def test_windows_in_lockstep_are_written_and_read_once_a_step(golden_model, golden_hasher, golden_prompts,
+                                                             monkeypatch):
+    """A batch's windows slide together, so a step writes and reads every layer's with
+    the same index tensors (BatchSlab.lockstep): bit for bit what separate caches
+    compute over 90 steps, through a window seated again (released at step 40) and
+    rows that reach the end of theirs (step 80, window 16 in rows of 96), both moved
+    to the front of their rows without leaving the lockstep."""
+    _, model = golden_model
+    steps = []
+    lockstep = BatchSlab.lockstep
+    monkeypatch.setattr(BatchSlab, "lockstep", lambda self, *args: steps.append(lockstep(self, *args)) or steps[-1])
+
+    def run(engine: Engine):
+        caches = [engine.new_cache() for _ in range(2)]
+        tokens = [[int(engine.replay(c, engine.prefill(c, p)).argmax())] for c, p in zip(caches, golden_prompts[:2])]
+        logits = []
+        for step in range(90):
+            if step == 40:
+                caches[1].windows[3].rows.release()  # (its rows to a buffer of their own)
+            out = engine.decode([(c, [t[-1]]) for c, t in zip(caches, tokens)])
+            for t, rows in zip(tokens, out):
+                t.append(int(rows[-1].argmax()))
+            logits.append(torch.stack([rows[-1] for rows in out]))
+        return torch.stack(logits), caches
+
+    slab, separate = Engine(model, golden_hasher), Engine(model, golden_hasher)
+    separate.slab = None
+    (got, got_caches), (expected, expected_caches) = run(slab), run(separate)
+    assert slab.slab.window_capacity == 96 and model.config.sliding_window == 16
+    assert torch.equal(got, expected)
+    _assert_same_caches(got_caches, expected_caches)
+    assert len(steps) == 90 and [i for i, step in enumerate(steps) if step is None] == [0, 40]
+    # The step's indices: one new row per sequence, in its row of the slab, at each layer alike.
+    first_row = [step.append.tolist() for step in steps[1:3]]
+    assert first_row[1] == [row + 1 for row in first_row[0]]
+    assert all(step.trims == [1, 1] and step.lengths == [16, 16] for step in steps if step is not None)
+    for cache in got_caches:
+        assert len({(w.start, w.rows.n, w.rows.offset) for w in cache.windows}) == 1
