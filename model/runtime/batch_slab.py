@@ -192,7 +192,7 @@ class BatchSlab:
             if windows[0] is None:
                 return None
             start, n, offset = windows[0].start, windows[0].rows.n, windows[0].rows.offset
-            if start + n != first:
+            if start + n != first or n + m > capacity:  # (a row too short for them: each layer's own append)
                 return None
             alike = True
             for buffer_rows, kept in zip(values_of, windows):
