@@ -66,7 +66,7 @@ class Layout:
 
     def each(self, rows: torch.Tensor) -> torch.Tensor:
         """Per-sequence rows [b, ...] as each token's sequence's row [N, ...]."""
-        if self.slots is None:  # a view when every sequence feeds as many tokens (itself when one each)
+        if self.slots is None:  # (one token a sequence: the rows themselves)
             return rows if self.n == 1 else rows[:, None].expand(self.b, self.n, *rows.shape[1:]).flatten(0, 1)
         return rows.index_select(0, self.owner)
 
