@@ -89,6 +89,15 @@ class _Buffer:
         values = torch.zeros(rows, capacity, like.dim, dtype=torch.float32, device=like.device)
         return cls(data, values, list(data.unbind(0)), list(values.unbind(0)))
 
+    def write(self, index: torch.Tensor, encoded: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Rows ``encoded`` (bytes [M, row bytes], values [M, dim]) at the flat rows ``index`` [M]."""
+        for flat, new in zip((self.data, self.values), encoded):
+            flat.view(-1, flat.shape[-1]).index_copy_(0, index, new)
+
+    def read(self, index: torch.Tensor) -> torch.Tensor:
+        """The values of the flat rows ``index`` (any shape): [*index.shape, dim]."""
+        return rows_at(self.values.view(-1, self.values.shape[-1]), index)
+
     @staticmethod
     def size(rows: int, capacity: int, like: PackedRows) -> int:
         """The bytes of a buffer of ``rows`` x ``capacity`` rows like ``like``'s."""
@@ -153,8 +162,7 @@ class BatchSlab:
                 raise RuntimeError(f"{place}: {m} new rows outgrew row {slot} of the slab")
             starts.extend(range(start, start + m))
         index = self._index_of("append", tuple(starts), lambda: torch.tensor(starts, device=encoded[1].device))
-        for flat, new in zip((buffer.data, buffer.values), encoded):
-            flat.view(-1, flat.shape[-1]).index_copy_(0, index, new)
+        buffer.write(index, encoded)
         for packed, m in zip(rows, counts):
             packed.extend(m)
 
@@ -167,7 +175,7 @@ class BatchSlab:
         starts = [slot * buffer.capacity + window.rows.offset + first - window.start
                   for window, slot, first in zip(windows, slots, firsts)]
         index = self._index_of("window", (*starts, *lengths), lambda: _spans(places, starts, lengths))
-        return rows_at(buffer.values.view(-1, buffer.values.shape[-1]), index)
+        return buffer.read(index)
 
     def lockstep(self, caches: list[SequenceCache], slots: list[int], counts: list[int], firsts: list[int],
                  window: int, trimmed: list[bool]) -> WindowStep | None:
@@ -218,14 +226,11 @@ class BatchSlab:
     def write_windows(self, layer: int, step: WindowStep, encoded: tuple[torch.Tensor, torch.Tensor]) -> None:
         """:meth:`append` of a lockstep ``step``'s new rows at ``layer``: the buffer rows
         only (the caller counts them in each window's rows)."""
-        buffer = self._buffers["window", layer]
-        for flat, new in zip((buffer.data, buffer.values), encoded):
-            flat.view(-1, flat.shape[-1]).index_copy_(0, step.append, new)
+        self._buffers["window", layer].write(step.append, encoded)
 
     def read_lockstep(self, layer: int, step: WindowStep) -> torch.Tensor:
         """:meth:`read_windows` of a lockstep ``step`` at ``layer``: [b, T, dim]."""
-        values = self._buffers["window", layer].values
-        return rows_at(values.view(-1, values.shape[-1]), step.read)
+        return self._buffers["window", layer].read(step.read)
 
     def _index_of(self, kind: str, key: tuple, make) -> torch.Tensor:
         """The index tensor of ``kind`` for ``key`` (its values): the last one made when
